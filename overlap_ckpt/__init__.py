@@ -1,0 +1,21 @@
+"""overlap_ckpt: multi-step overlapped, gradient-assisted checkpointing for JAX training.
+
+The train state is captured in K slices over K steps inside the jitted step, the optimizer
+is replayed on the host so every slice reaches the same version, and the result is
+persisted in the background in a layout stock Orbax can read.
+"""
+
+from .capture import capture_update
+from .engine import MemorySink, OverlapEngine
+from .errors import (ConfigError, OverlapCkptError, TreeMismatchError, UnsupportedOptimizerError,
+                     WindowAborted)
+from .hostarray import HostArray, HostShard
+from .plan import CapturePlan, make_plan
+from .schedule import WindowSchedule
+
+__all__ = [
+    "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "OverlapCkptError",
+    "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
+    "CapturePlan", "make_plan", "WindowSchedule",
+]
+__version__ = "0.1.0"

@@ -1,0 +1,153 @@
+"""The overlapped checkpoint engine: plans windows, replays them on the host, hands off.
+
+The engine is framework-neutral. A training loop (or one of the integrations: Flax
+``TrainState``, NNX optimizer, :class:`overlap_ckpt.CheckpointManager`) asks it for the
+phase of each step, runs :func:`overlap_ckpt.capture.capture_update` inside its jitted
+step, and passes the outbox back with :meth:`OverlapEngine.submit`. A background thread
+waits for the host copies, replays, and calls the sink with the consistent state of V.
+The training thread never waits on it.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Protocol
+
+import optax
+
+from .errors import WindowAborted
+from .plan import CapturePlan, make_plan
+from .replay import HostBuffers, ReplayPrograms, WindowReplay
+from .schedule import WindowSchedule
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Receives the consistent host state of version ``step`` (trees of HostArray)."""
+
+    def save(self, step: int, tree: Any, metadata: dict | None = None) -> None: ...
+
+
+class MemorySink:
+    """Keeps checkpoints in a dict; for tests and for callers that persist themselves."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[Any, dict | None]] = {}
+
+    def save(self, step: int, tree: Any, metadata: dict | None = None) -> None:
+        self.saved[step] = (tree, metadata)
+
+
+Combine = Callable[[Any, Any, Any], Any]
+
+
+def default_combine(params, opt_state, extras) -> dict:
+    """The saved tree when the caller does not give its own structure."""
+    return {"params": params, "opt_state": opt_state, "extras": extras}
+
+
+class OverlapEngine:
+    """Runs K-step windows every ``interval`` steps for one optax transformation."""
+
+    def __init__(self, tx: optax.GradientTransformation, sink: Sink, *, interval: int, window: int = 1,
+                 chunk_leaves: bool | None = None, combine: Combine = default_combine):
+        self.tx = tx
+        self.sink = sink
+        self.requested_window = window
+        self.schedule = WindowSchedule.clamped(interval, window)
+        self.chunk_leaves = chunk_leaves
+        self.combine = combine
+        self.plan: CapturePlan | None = None
+        self._programs: ReplayPrograms | None = None
+        self._queue: queue.Queue = queue.Queue()
+        self._errors: list[BaseException] = []
+        self.windows_completed = 0
+        self.windows_aborted = 0
+        self.replay_seconds = 0.0
+        self.replayed_bytes = 0
+        self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
+        self._worker.start()
+
+    # -- training thread ----------------------------------------------------------------
+    def phase(self, step: int) -> int | None:
+        return self.schedule.phase(step)
+
+    def plan_for(self, params, opt_state, extras=None) -> CapturePlan:
+        """The plan for this state, re-planned when its structure, shapes or dtypes changed."""
+        if self.plan is not None:
+            why = self.plan.matches(params, opt_state, extras)
+            if why is None:
+                return self.plan
+            log.warning("train state changed (%s); the open window is discarded and the next one re-planned", why)
+            self._queue.put(("abort", None, None, None, None))
+        self.plan = make_plan(self.tx, params, opt_state, extras, self.schedule.k, chunk_leaves=self.chunk_leaves)
+        if self.plan.k != self.schedule.k:
+            self.schedule = WindowSchedule(self.schedule.interval, self.plan.k)
+        self._programs = ReplayPrograms(self.plan)
+        return self.plan
+
+    def submit(self, step: int, phase: int, outbox: dict, metadata: dict | None = None) -> None:
+        """Hand a step's outbox to the host worker; returns at once."""
+        self._queue.put(("phase", step, phase, outbox, (self.plan, self._programs, metadata)))
+
+    def wait_until_finished(self) -> None:
+        """Block until every submitted phase is processed; raise the first worker error."""
+        done = threading.Event()
+        self._queue.put(("flush", None, None, None, done))
+        done.wait()
+        if self._errors:
+            error, self._errors[:] = self._errors[0], []
+            raise error
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._queue.put(("stop", None, None, None, None))
+            self._worker.join()
+
+    # -- worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        window: WindowReplay | None = None
+        while True:
+            kind, step, phase, outbox, extra = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "flush":
+                extra.set()
+                continue
+            if kind == "abort":
+                window = self._abort(window, "the train state changed")
+                continue
+            plan, programs, metadata = extra
+            try:
+                version = step - phase + plan.k - 1
+                if phase == 0:
+                    if window is not None:
+                        self._abort(window, f"a new window for step {version} started")
+                    window = WindowReplay(plan, HostBuffers(plan), version, programs)
+                if window is None or window.plan is not plan or window.version != version:
+                    continue  # joined mid-window (e.g. after a resume): wait for the next one
+                start = time.perf_counter()
+                window.receive(phase, outbox)
+                self.replay_seconds += time.perf_counter() - start
+                if window.complete:
+                    params, opt_state, extras = window.result()
+                    self.replayed_bytes += plan.state_bytes
+                    self.sink.save(version, self.combine(params, opt_state, extras), metadata)
+                    self.windows_completed += 1
+                    window = None
+            except WindowAborted as e:
+                window = self._abort(window, str(e))
+            except BaseException as e:  # noqa: BLE001 - reported to the training thread
+                log.exception("checkpoint window failed")
+                self._errors.append(e)
+                window = self._abort(window, repr(e))
+
+    def _abort(self, window: WindowReplay | None, why: str) -> None:
+        if window is not None:
+            self.windows_aborted += 1
+            log.warning("checkpoint window for step %d discarded: %s", window.version, why)
+        return None

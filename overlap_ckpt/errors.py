@@ -1,0 +1,21 @@
+"""Exceptions raised by overlap_ckpt, one class per kind of fault so callers can react."""
+
+
+class OverlapCkptError(Exception):
+    """Base class of every error raised by overlap_ckpt."""
+
+
+class UnsupportedOptimizerError(OverlapCkptError, ValueError):
+    """The optax transformation cannot be replayed exactly on slices of the state."""
+
+
+class TreeMismatchError(OverlapCkptError, ValueError):
+    """A train state's structure, shapes or dtypes differ from what was planned or saved."""
+
+
+class WindowAborted(OverlapCkptError):
+    """A checkpoint window could not complete; nothing of it was handed to storage."""
+
+
+class ConfigError(OverlapCkptError, ValueError):
+    """An option is out of range or inconsistent with another one."""

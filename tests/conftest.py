@@ -1,0 +1,97 @@
+"""Shared test helpers: a donating training loop driven by the engine, and exact comparisons."""
+
+import functools
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from overlap_ckpt import HostArray, MemorySink, OverlapEngine, capture_update
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def bits(x) -> np.ndarray:
+    """The raw bytes of an array, so NaNs and signed zeros compare exactly."""
+    return np.atleast_1d(np.ascontiguousarray(np.asarray(x))).view(np.uint8)
+
+
+def assert_bitwise(got_tree, want_tree, what=""):
+    got = jax.tree.leaves(got_tree, is_leaf=lambda x: isinstance(x, HostArray))
+    want = jax.tree.leaves(want_tree)
+    assert len(got) == len(want), what
+    for i, (a, b) in enumerate(zip(got, want)):
+        a = a.to_numpy() if isinstance(a, HostArray) else np.asarray(a)
+        b = np.asarray(b)
+        assert a.shape == b.shape and a.dtype == b.dtype, (what, i, a.shape, b.shape, a.dtype, b.dtype)
+        if not np.array_equal(bits(a), bits(b)):
+            diff = np.max(np.abs(a.astype(np.float64) - b.astype(np.float64)))
+            raise AssertionError(f"{what}: leaf {i} {a.shape}/{a.dtype} differs (max abs diff {diff})")
+
+
+def make_params(shapes, dtype=jnp.float32, seed=0):
+    keys = jax.random.split(jax.random.PRNGKey(seed), len(shapes))
+    return {f"w{i:03d}": jax.random.normal(k, s, jnp.float32).astype(dtype)
+            for i, (k, s) in enumerate(zip(keys, shapes))}
+
+
+def toy_loss(params, x):
+    return sum(jnp.sum(jnp.sin(v.astype(jnp.float32) * x) ** 2) for v in jax.tree.leaves(params))
+
+
+def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None):
+    """Train ``steps`` steps with a donating jitted step that captures in-graph.
+
+    Returns (engine, sink, references) where references[V] is a synchronous
+    ``jax.device_get`` of (params, opt_state) at version V.
+    """
+    if shard is not None:
+        params = shard(params)
+    opt_state = tx.init(params)
+    if shard is not None:
+        opt_state = jax.jit(tx.init)(params)
+    sink = MemorySink()
+    engine = OverlapEngine(tx, sink, interval=interval, window=window, chunk_leaves=chunk_leaves)
+    plan = engine.plan_for(params, opt_state, {"step": jnp.int32(0)})
+
+    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
+    def train_step(plan, phase, params, opt_state, x, t):
+        grads = jax.grad(toy_loss)(params, x)
+        if nan_step is not None:
+            grads = jax.tree.map(lambda g: jnp.where(t == nan_step, jnp.nan, g).astype(g.dtype), grads)
+        return capture_update(plan, phase, params, opt_state, grads, {"step": t}, step=t)
+
+    references = {}
+    for t in range(steps):
+        phase = engine.phase(t)
+        params, opt_state, outbox = train_step(plan, phase, params, opt_state,
+                                               jnp.float32(0.1 + 0.01 * t), jnp.int32(t))
+        if phase is not None:
+            engine.submit(t, phase, outbox)
+        if (t + 1) % interval == 0 and t + 1 < steps:  # its window ends at step t + 1
+            references[t + 1] = jax.device_get((params, opt_state))
+    engine.wait_until_finished()
+    engine.close()
+    return engine, sink, references
+
+
+def check_windows(sink, references):
+    assert sorted(sink.saved) == sorted(references), (sorted(sink.saved), sorted(references))
+    for version, (params, opt_state) in references.items():
+        tree, _ = sink.saved[version]
+        assert_bitwise((tree["params"], tree["opt_state"]), (params, opt_state), f"version {version}")
+        assert int(tree["extras"]["step"].to_numpy()) == version
+
+
+def run_python(code: str, *, devices: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``devices`` simulated CPU devices."""
+    env = dict(os.environ)
+    env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
+                          timeout=timeout)
