@@ -12,10 +12,13 @@ from .errors import (ConfigError, OverlapCkptError, TreeMismatchError, Unsupport
 from .hostarray import HostArray, HostShard
 from .plan import CapturePlan, make_plan
 from .schedule import WindowSchedule
+from .flax_linen import TrainState
+from .manager import CheckpointManager
+from . import nnx_optimizer as nnx
 
 __all__ = [
     "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "OverlapCkptError",
     "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
-    "CapturePlan", "make_plan", "WindowSchedule",
+    "CapturePlan", "make_plan", "WindowSchedule", "TrainState", "CheckpointManager", "nnx",
 ]
 __version__ = "0.1.0"

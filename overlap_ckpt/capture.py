@@ -52,6 +52,32 @@ def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece) -> jax.Array:
     return to_host(x[piece.start:piece.stop], layout)
 
 
+def global_dtypes(signature) -> list[str]:
+    """The dtypes of the packed global arrays, in order of first appearance."""
+    return list(dict.fromkeys(dtype for _, dtype in signature))
+
+
+def pack_globals(cuts: list[jax.Array]) -> list[jax.Array]:
+    """One array per dtype instead of one transfer per scalar (hundreds per step for a
+    large tree under clip_by_global_norm)."""
+    groups: dict[str, list[jax.Array]] = {}
+    for c in cuts:
+        groups.setdefault(str(jnp.dtype(c.dtype)), []).append(jnp.reshape(c, ()))
+    return [jnp.stack(values) for values in groups.values()]
+
+
+def unpack_globals(packed: list, signature) -> list:
+    """Inverse of :func:`pack_globals` on the host, given the plan's cut signature."""
+    columns = dict(zip(global_dtypes(signature), packed))
+    taken: dict[str, int] = {}
+    out = []
+    for _, dtype in signature:
+        i = taken.get(dtype, 0)
+        out.append(columns[dtype][i])
+        taken[dtype] = i + 1
+    return out
+
+
 def scalar_host_sharding(plan: CapturePlan) -> jax.sharding.Sharding:
     """Where global scalars go: replicated over the state's mesh, in host memory."""
     sharding = plan.params[0].sharding
@@ -131,7 +157,7 @@ def capture_update(plan: CapturePlan, phase: int | None, params, opt_state, grad
         for piece in plan.slicing.pieces_upto(phase):
             outbox["grads"].append(take_rows(grads_leaves[piece.leaf], plan.params[piece.leaf], piece))
         host = scalar_host_sharding(plan)
-        outbox["globals"] = [jax.device_put(c, host) for c in cuts]
+        outbox["globals"] = [jax.device_put(packed, host) for packed in pack_globals(cuts)]
     else:
         extras_leaves = jax.tree.leaves(extras)
         outbox["extras"] = [to_host(x, layout) for x, layout in zip(extras_leaves, plan.extras)]

@@ -18,7 +18,8 @@ from typing import Any, Callable, Protocol
 
 import optax
 
-from .errors import WindowAborted
+from .errors import UnsupportedOptimizerError, WindowAborted
+from .jaxpr_interp import InterpretError
 from .plan import CapturePlan, make_plan
 from .replay import HostBuffers, ReplayPrograms, WindowReplay
 from .schedule import WindowSchedule
@@ -67,8 +68,8 @@ class OverlapEngine:
         self._errors: list[BaseException] = []
         self.windows_completed = 0
         self.windows_aborted = 0
-        self.replay_seconds = 0.0
-        self.replayed_bytes = 0
+        self.replay_seconds = 0.0  # host time spent receiving and replaying phases
+        self.replayed_bytes = 0  # state bytes advanced by replay, over completed windows
         self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
         self._worker.start()
 
@@ -84,11 +85,24 @@ class OverlapEngine:
                 return self.plan
             log.warning("train state changed (%s); the open window is discarded and the next one re-planned", why)
             self._queue.put(("abort", None, None, None, None))
-        self.plan = make_plan(self.tx, params, opt_state, extras, self.schedule.k, chunk_leaves=self.chunk_leaves)
-        if self.plan.k != self.schedule.k:
-            self.schedule = WindowSchedule(self.schedule.interval, self.plan.k)
-        self._programs = ReplayPrograms(self.plan)
-        return self.plan
+        plan = make_plan(self.tx, params, opt_state, extras, self.schedule.k, chunk_leaves=self.chunk_leaves)
+        programs = ReplayPrograms(plan)
+        try:
+            programs.check()
+        except InterpretError as e:
+            if not plan.chunked:
+                raise UnsupportedOptimizerError(str(e)) from e
+            log.info("row-chunked replay is not exact for this optimizer (%s); using whole-leaf slices", e)
+            plan = make_plan(self.tx, params, opt_state, extras, self.schedule.k, chunk_leaves=False)
+            programs = ReplayPrograms(plan)
+            try:
+                programs.check()
+            except InterpretError as e2:
+                raise UnsupportedOptimizerError(str(e2)) from e2
+        if plan.k != self.schedule.k:
+            self.schedule = WindowSchedule(self.schedule.interval, plan.k)
+        self.plan, self._programs = plan, programs
+        return plan
 
     def submit(self, step: int, phase: int, outbox: dict, metadata: dict | None = None) -> None:
         """Hand a step's outbox to the host worker; returns at once."""
@@ -135,7 +149,7 @@ class OverlapEngine:
                 self.replay_seconds += time.perf_counter() - start
                 if window.complete:
                     params, opt_state, extras = window.result()
-                    self.replayed_bytes += plan.state_bytes
+                    self.replayed_bytes += window.replayed_bytes
                     self.sink.save(version, self.combine(params, opt_state, extras), metadata)
                     self.windows_completed += 1
                     window = None

@@ -77,19 +77,32 @@ class Interpreter:
     mode ``"inject"``: the i-th cut is replaced by ``injected[i]`` (host replay).
     """
 
-    def __init__(self, mode: str, injected: Sequence[Any] = ()):
+    def __init__(self, mode: str, injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None):
         if mode not in ("record", "inject"):
             raise ValueError(f"unknown interpreter mode {mode!r}")
         self.mode = mode
         self.cuts: list[Any] = []
+        # (primitive, dtype) of every cut in order: the device's sequence is kept in the
+        # plan and the host's must match it, or the injected values would land elsewhere.
+        self.signature: list[tuple[str, str]] = []
+        self.expected = None if expected is None else list(expected)
         self.injected = list(injected)
         self._next_injected = 0
 
     # -- cuts ---------------------------------------------------------------------------
-    def _cut(self, value: Any, where: str) -> Any:
+    def _cut(self, value: Any, where: str, primitive: str) -> Any:
+        position = len(self.signature)
+        self.signature.append((primitive, str(np.dtype(value.dtype))))
         if self.mode == "record":
             self.cuts.append(value)
             return value
+        if self.expected is not None and (position >= len(self.expected)
+                                          or self.expected[position] != self.signature[-1]):
+            want = self.expected[position] if position < len(self.expected) else "nothing"
+            raise InterpretError(
+                f"global scalar #{position} is {self.signature[-1]} in the host replay but "
+                f"{want} on the device (at {where}): the optimizer runs different code for "
+                "the host's leaf shapes, so this slicing cannot be replayed exactly.")
         if self._next_injected >= len(self.injected):
             raise InterpretError(
                 f"host replay found more global scalars than the device recorded (at "
@@ -167,7 +180,7 @@ class Interpreter:
         # sequence does not change when the host's leaves are chunks or one-row dummies.
         if rank0 and (from_cut or (tokens and not elementwise)):
             where = f"{name} at {eqn.source_info.name_stack}" if hasattr(eqn, "source_info") else name
-            return [Labelled(self._cut(o, where), from_cut=True) for o in outs]
+            return [Labelled(self._cut(o, where, name), from_cut=True) for o in outs]
         if elementwise:
             # A size-1 value from a cut that is not rank 0 (``keepdims``) would escape the
             # rule above; treat it as a within-leaf reduction (whole-leaf slices).
@@ -190,9 +203,9 @@ class Interpreter:
         offsets = np.cumsum([0] + [len(p) for p in probes])
         injected_slots: list[Any] = []
         if self.mode == "inject":
-            injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond")
+            injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond", "cond")
                               for p in probes for s in p]
-        labels: list[list[tuple[Tokens, bool]]] = [[] for _ in branches]
+        labels: list[list[tuple[Tokens, bool, bool]]] = [[] for _ in branches]
 
         def make_branch(b: int) -> Callable:
             def run(*values):
@@ -210,7 +223,8 @@ class Interpreter:
         out_values, slot_values = lax.switch(index.value, [make_branch(b) for b in range(len(branches))],
                                              *[o.value for o in ops])
         if self.mode == "record":
-            self.cuts.extend(slot_values)
+            for value in slot_values:
+                self._cut(value, "cond", "cond")
         result = []
         for k, value in enumerate(out_values):
             tokens = index.tokens.union(*(labels[b][k][0] for b in range(len(branches))))
@@ -230,7 +244,8 @@ def _is_elementwise(name: str, eqn, ins: list[Labelled]) -> bool:
 
 
 def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tokens],
-              injected: Sequence[Any] = ()) -> tuple[list[Labelled], Interpreter]:
+              injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None
+              ) -> tuple[list[Labelled], Interpreter]:
     """Trace ``fn(*flat_args)`` and evaluate it with labelled inputs.
 
     ``args`` is the flat list of input arrays (concrete or tracers), ``tokens`` their
@@ -238,7 +253,7 @@ def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tok
     the recorded global scalars in ``record`` mode).
     """
     closed = jax.make_jaxpr(fn)(*args)
-    interp = Interpreter(mode, injected)
+    interp = Interpreter(mode, injected, expected)
     outs = interp.eval_closed(closed, [Labelled(a, t) for a, t in zip(args, tokens)])
     interp.finish()
     return outs, interp

@@ -21,6 +21,7 @@ import jax
 import numpy as np
 
 from .errors import WindowAborted
+from .capture import unpack_globals
 from .hostarray import HostArray, HostShard, normalize_index
 from .jaxpr_interp import interpret
 from .plan import CapturePlan, LeafLayout
@@ -97,6 +98,7 @@ class WindowReplay:
         self.next_phase = 0
         self.shared_after_replay: list[np.ndarray] | None = None
         self.shared: list[np.ndarray] = []
+        self.replayed_bytes = 0  # bytes of params + owned state advanced by replay
 
     @property
     def complete(self) -> bool:
@@ -114,7 +116,8 @@ class WindowReplay:
         self.shared = [replicated_value(x) for x in outbox["shared"]]
         self._check_shared_version(phase)
         if phase < plan.k - 1:
-            self._replay(phase, outbox["grads"], [replicated_value(g) for g in outbox["globals"]])
+            packed = [replicated_value(g) for g in outbox["globals"]]
+            self._replay(phase, outbox["grads"], unpack_globals(packed, plan.analysis.cut_signature))
         else:
             for layout, blocks, x in zip(plan.extras, self.buffers.extras, outbox["extras"]):
                 _store(layout, blocks, x, Piece(0, 0, layout.rows))
@@ -174,6 +177,8 @@ class WindowReplay:
             else:
                 state_in.append(dummy_state[j])
         outs = self.programs.run([*params_in, *state_in, *grads_in], injected)
+        self.replayed_bytes += sum(params_in[k].nbytes for k in by_leaf) + sum(
+            state_in[j].nbytes for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf)
         new_params, new_state = outs[:n], outs[n:]
         for k in by_leaf:
             ranges = sorted(by_leaf[k])
@@ -253,8 +258,10 @@ class ReplayPrograms:
         flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
         tokens = input_tokens(n, m)
 
+        signature = plan.analysis.cut_signature
+
         def run(args, injected):
-            outs, _ = interpret(flat, "inject", args, tokens, injected)
+            outs, _ = interpret(flat, "inject", args, tokens, injected, signature)
             # Returning the injected scalars gives each one the extra use it has on the
             # device (where it is also shipped out): XLA:CPU rewrites a division by a
             # broadcast scalar differently when the scalar has a single use.
@@ -264,22 +271,44 @@ class ReplayPrograms:
         self._dummy_state: dict[int, list[np.ndarray]] = {}
 
     def dummy(self, layout: LeafLayout) -> np.ndarray:
-        return np.zeros((1,) + tuple(layout.block_shape[1:]) if layout.shape else (), layout.dtype)
+        """Stand-in for a leaf that is not being advanced. One row when leaves are chunked
+        (elementwise updates do not look at shapes); the full shape otherwise, because
+        per-leaf optimizers choose their code path by shape (adafactor factors only large
+        matrices), and the host must run the device's code path to match its scalars."""
+        if not layout.shape:
+            return np.zeros((), layout.dtype)
+        if self.plan.chunked:
+            return np.zeros((1,) + tuple(layout.block_shape[1:]), layout.dtype)
+        return np.zeros(layout.shape, layout.dtype)
 
     def dummy_state(self, phase: int) -> list[np.ndarray]:
         """Zeros shaped like the optimizer state of the reduced tree of ``phase``."""
         if phase not in self._dummy_state:
             plan = self.plan
-            present = {p.leaf: p for p in plan.slicing.pieces_upto(phase)}
-            avals = []
-            for k, layout in enumerate(plan.params):
-                if k in present and not plan.chunked:
-                    avals.append(jax.ShapeDtypeStruct(layout.shape, layout.dtype))
-                else:
-                    avals.append(jax.ShapeDtypeStruct(self.dummy(layout).shape, layout.dtype))
+            avals = [jax.ShapeDtypeStruct(self.dummy(layout).shape, layout.dtype) for layout in plan.params]
             abstract = jax.eval_shape(plan.tx.init, jax.tree.unflatten(plan.params_def, avals))
             self._dummy_state[phase] = [np.zeros(a.shape, a.dtype) for a in jax.tree.leaves(abstract)]
         return self._dummy_state[phase]
+
+    def check(self) -> None:
+        """Trace every phase's replay abstractly, so a plan the host cannot replay exactly
+        is rejected before the first window rather than in the middle of one."""
+        plan = self.plan
+        injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
+        for phase in range(plan.k - 1):
+            present: dict[int, int] = {}
+            for piece in plan.slicing.pieces_upto(phase):
+                present[piece.leaf] = present.get(piece.leaf, 0) + piece.stop - piece.start
+            params = []
+            for k, layout in enumerate(plan.params):
+                if k in present and plan.chunked and layout.shape:
+                    shape = (present[k] * len(layout.blocks),) + tuple(layout.block_shape[1:])
+                else:
+                    shape = self.dummy(layout).shape
+                params.append(jax.ShapeDtypeStruct(shape, layout.dtype))
+            state = jax.eval_shape(plan.tx.init, jax.tree.unflatten(plan.params_def, params))
+            args = [*params, *jax.tree.leaves(state), *params]
+            jax.eval_shape(self._run, args, injected)
 
     def run(self, args: list[np.ndarray], injected: list[np.ndarray]) -> list[jax.Array]:
         with jax.default_device(self.cpu):

@@ -76,6 +76,7 @@ class UpdateAnalysis:
     chunkable: bool  # True: elementwise given the global scalars; leaves may be row-chunked
     n_globals: int  # scalars recorded per step on the device
     why_not_chunkable: str = ""
+    cut_signature: tuple[tuple[str, str], ...] = ()  # (primitive, dtype) of each global scalar
 
     def owned_state(self, k: int) -> list[int]:
         return [j for j, owner in enumerate(self.state_owner) if owner == k]
@@ -97,7 +98,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
 
     def traced(*leaves):
         outs, interp = interpret(flat, "record", leaves, input_tokens(n, m))
-        labels.append((outs, len(interp.cuts)))
+        labels.append((outs, tuple(interp.signature)))
         return [o.value for o in outs]
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*params_leaves, *state_leaves, *params_leaves]]
@@ -105,7 +106,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
         jax.eval_shape(traced, *abstract)
     except InterpretError as e:
         raise UnsupportedOptimizerError(str(e)) from e
-    outs, n_globals = labels[0]
+    outs, signature = labels[0]
     new_params, new_state = outs[:n], outs[n:]
 
     def param_tokens(tokens) -> set[int]:
@@ -149,4 +150,4 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
     if reasons:
         why = ("the update reduces within a leaf (e.g. factored or matrix statistics) for "
                + ", ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
-    return UpdateAnalysis(n, tuple(owner), not reasons, n_globals, why)
+    return UpdateAnalysis(n, tuple(owner), not reasons, len(signature), why, signature)

@@ -1,0 +1,1 @@
+"""Benchmarks (run as modules: ``python -m benchmarks.<name>``)."""

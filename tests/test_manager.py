@@ -1,0 +1,103 @@
+"""CheckpointManager bookkeeping on a tiny two-leaf model (fast): schedule, explicit saves,
+retention, misuse errors, window="auto" on CPU."""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from overlap_ckpt.errors import ConfigError
+from overlap_ckpt.flax_linen import TrainState
+from overlap_ckpt.manager import CheckpointManager
+
+
+def make_state():
+    params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10, "b": jnp.zeros(3)}
+    return TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state, x):
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+
+def batch(t):
+    return jnp.full((2, 4), 0.1 * (t + 1), jnp.float32)
+
+
+def run(mngr, state, start, stop):
+    for t in range(start, stop):
+        state = mngr.step(train_step(state, batch(t)))
+    return state
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        CheckpointManager(tmp_path, save_interval_steps=0)
+    with pytest.raises(ConfigError):
+        CheckpointManager(tmp_path, save_interval_steps=4, window="big")
+
+
+def test_schedule_auto_window_retention_and_queries(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=2, max_to_keep=2, window="auto") as mngr:
+        state = mngr.prepare(make_state())
+        assert mngr.engine.schedule.k == 1  # CPU backend
+        assert [mngr.should_save(s) for s in range(5)] == [False, False, True, False, True]
+        state = run(mngr, state, 0, 7)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 6] and mngr.latest_step() == 6
+        assert int(state.step) == 7 and state.ckpt_outbox is None
+    with CheckpointManager(tmp_path, save_interval_steps=2, max_to_keep=2, window=1) as mngr:
+        restored = mngr.restore(target_state=make_state())
+        assert int(restored.step) == 6
+
+
+def test_window_clamped_to_interval_and_final_save(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=2, window=5) as mngr:
+        state = mngr.prepare(make_state())
+        assert mngr.engine.schedule.k == 2
+        state = run(mngr, state, 0, 5)        # windows of 2 and 4 complete
+        assert mngr.save(4, state) is False    # already saved by its window
+        assert mngr.save(5, state) is False    # not a save step
+        assert mngr.save(5, state, force=True) is True
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2, 4, 5]
+        raw, _ = mngr.store.restore(5)
+        np.testing.assert_array_equal(raw["params"]["w"], np.asarray(state.params["w"]))
+        assert int(raw["step"]) == 5
+
+
+def test_sync_save_of_open_window_wins(tmp_path):
+    # K=2, interval 4: step 3 opens the window of V=4; saving 4 synchronously first means
+    # the window is not submitted again (no duplicate-step error in the background).
+    with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
+        state = run(mngr, mngr.prepare(make_state()), 0, 4)
+        assert mngr.save(4, state) is True
+        state = run(mngr, state, 4, 6)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4]
+
+
+def test_misuse_errors(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=1, window=1) as mngr:
+        state = run(mngr, mngr.prepare(make_state()), 0, 1)  # step 0 precedes the first window
+        assert state.ckpt_phase == 0
+        state = train_step(state, batch(1))
+        stripped = state.replace(ckpt_outbox=None)
+        with pytest.raises(RuntimeError, match="exactly once per training step"):
+            mngr.step(stripped)
+    with CheckpointManager(tmp_path / "b", save_interval_steps=4, window=1) as mngr:
+        with pytest.raises(TypeError, match="target_state"):
+            mngr.restore()
+        # step() before prepare() prepares (and a stale state is re-synchronised).
+        state = mngr.step(make_state())
+        assert state.ckpt_plan is not None
+        fresh = make_state()
+        state = mngr.step(fresh)  # not the state it prepared: re-synchronises
+        assert state.ckpt_plan is mngr.engine.plan
