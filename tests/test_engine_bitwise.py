@@ -101,3 +101,22 @@ def test_whole_leaf_slicing_forced():
                                   chunk_leaves=False)
     check_windows(sink, refs)
     assert not engine.plan.chunked
+
+
+MORE = {
+    "rmsprop": lambda: optax.rmsprop(1e-3),
+    "adagrad": lambda: optax.adagrad(1e-2),
+    "adabelief": lambda: optax.adabelief(1e-3),
+    "lars": lambda: optax.lars(1e-3),
+    "muon": lambda: optax.contrib.muon(1e-3),
+    "adaptive_grad_clip_sgd": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
+    "ema_sgd": lambda: optax.chain(optax.ema(0.9), optax.sgd(0.1)),
+    "clip_adam": lambda: optax.chain(optax.clip(0.1), optax.adam(1e-3)),
+}
+
+
+@pytest.mark.parametrize("name", sorted(MORE))
+def test_documented_optimizers(name):
+    """Every optimizer docs/optimizers.md lists as exact is checked bitwise here."""
+    _, sink, refs = run_loop(MORE[name](), make_params(MIXED), window=3, interval=4, steps=9)
+    check_windows(sink, refs)
