@@ -151,7 +151,7 @@ def capture_update(plan: CapturePlan, phase: int | None, params, opt_state, grad
     for piece in plan.slicing.slices[phase]:
         outbox["state"].append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece))
         for j in plan.analysis.owned_state(piece.leaf):
-            outbox["state"].append(take_rows(state_leaves[j], plan.state[j], _state_piece(plan, j, piece)))
+            outbox["state"].append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece)))
     outbox["shared"] = [to_host(state_leaves[j], plan.state[j]) for j in plan.analysis.shared_state]
     if not last:
         for piece in plan.slicing.pieces_upto(phase):
@@ -163,11 +163,3 @@ def capture_update(plan: CapturePlan, phase: int | None, params, opt_state, grad
         outbox["extras"] = [to_host(x, layout) for x, layout in zip(extras_leaves, plan.extras)]
     return new_params, new_state, outbox
 
-
-def _state_piece(plan: CapturePlan, j: int, piece: Piece) -> Piece:
-    """The piece of state leaf ``j`` that goes with a piece of its parameter: the same rows
-    when leaves are chunked, the whole leaf otherwise."""
-    layout = plan.state[j]
-    if piece.start == 0 and piece.stop == plan.params[piece.leaf].rows:
-        return Piece(j, 0, layout.rows)
-    return Piece(j, piece.start, piece.stop)

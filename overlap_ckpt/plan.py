@@ -99,6 +99,13 @@ class CapturePlan:
     def grad_bytes(self) -> int:
         return sum(l.rows * l.row_bytes for l in self.params)
 
+    def state_piece(self, j: int, piece: Piece) -> Piece:
+        """The piece of state leaf ``j`` captured with a piece of its parameter: the same
+        rows when leaves are chunked, the whole leaf when the piece is the whole leaf."""
+        if piece.start == 0 and piece.stop == self.params[piece.leaf].rows:
+            return Piece(j, 0, self.state[j].rows)
+        return Piece(j, piece.start, piece.stop)
+
     def matches(self, params, opt_state, extras) -> str | None:
         """Why this plan does not fit the given state, or None when it does."""
         for name, tree, treedef, layouts in (("params", params, self.params_def, self.params),

@@ -112,7 +112,7 @@ class WindowReplay:
         for piece in plan.slicing.slices[phase]:
             _store(plan.params[piece.leaf], self.buffers.params[piece.leaf], next(captured), piece)
             for j in plan.analysis.owned_state(piece.leaf):
-                _store(plan.state[j], self.buffers.state[j], next(captured), self._state_piece(j, piece))
+                _store(plan.state[j], self.buffers.state[j], next(captured), self.plan.state_piece(j, piece))
         self.shared = [replicated_value(x) for x in outbox["shared"]]
         self._check_shared_version(phase)
         if phase < plan.k - 1:
@@ -124,12 +124,6 @@ class WindowReplay:
             for j, x in zip(plan.analysis.shared_state, outbox["shared"]):
                 _store(plan.state[j], self.buffers.state[j], x, Piece(j, 0, plan.state[j].rows))
         self.next_phase += 1
-
-    def _state_piece(self, j: int, piece: Piece) -> Piece:
-        layout = self.plan.state[j]
-        if piece.start == 0 and piece.stop == self.plan.params[piece.leaf].rows:
-            return Piece(j, 0, layout.rows)
-        return Piece(j, piece.start, piece.stop)
 
     def _check_shared_version(self, phase: int) -> None:
         """Integer shared leaves (step counts) replayed to this phase must equal the ones the
@@ -172,7 +166,7 @@ class WindowReplay:
             if owner is None:
                 state_in.append(next(shared_iter))
             elif owner in by_leaf:
-                ranges = [self._state_piece(j, p) for p in sorted(by_leaf[owner])]
+                ranges = [self.plan.state_piece(j, p) for p in sorted(by_leaf[owner])]
                 state_in.append(self._gather(layout, self.buffers.state[j], ranges))
             else:
                 state_in.append(dummy_state[j])
@@ -185,7 +179,7 @@ class WindowReplay:
             self._scatter(plan.params[k], self.buffers.params[k], ranges, new_params[k])
         for j, owner in enumerate(plan.analysis.state_owner):
             if owner in by_leaf:
-                ranges = [self._state_piece(j, p) for p in sorted(by_leaf[owner])]
+                ranges = [self.plan.state_piece(j, p) for p in sorted(by_leaf[owner])]
                 self._scatter(plan.state[j], self.buffers.state[j], ranges, new_state[j])
         self.shared_after_replay = [np.asarray(new_state[j]) for j in plan.analysis.shared_state]
 

@@ -1,0 +1,78 @@
+"""Out-of-graph capture, for step functions overlap_ckpt cannot enter.
+
+When the jitted step is opaque (it returns new params, opt_state and its gradients, but
+does not call :func:`overlap_ckpt.capture_update`), the same outbox is built by two small
+jitted programs around it:
+
+* :func:`capture_before` runs *before* the step and copies slice ``j`` of the input state
+  to pinned host memory. If the step donates its inputs, the runtime waits for these
+  reads before reusing the buffers, so the copy is serialised with the step: each stall
+  shrinks to 1/K of a full snapshot, but nothing is hidden behind compute. This is the
+  cost of the fallback; in-graph capture hides the copy.
+* :func:`capture_after` runs *after* the step and copies the gradient pieces. Optimizers
+  with global scalars (clip_by_global_norm, apply_if_finite, lamb) need them recomputed
+  from the step's inputs and gradients on the device, so those inputs must still be
+  alive: do not donate them, or use in-graph capture.
+
+The host replay is exact when the device applied the update as a program of its own
+(for instance gradients from one jitted function, the update from another); a step that
+fuses the backward pass into the update rounds differently (see docs/design.md).
+"""
+
+from __future__ import annotations
+
+import functools
+from typing import Any
+
+import jax
+
+from .capture import Outbox, pack_globals, recorded_update, scalar_host_sharding, take_rows, to_host
+from .plan import CapturePlan
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _before(plan: CapturePlan, phase: int, params, opt_state, extras) -> Outbox:
+    params_leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
+    outbox: Outbox = {"state": [], "shared": [], "grads": [], "globals": [], "extras": []}
+    for piece in plan.slicing.slices[phase]:
+        outbox["state"].append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece))
+        for j in plan.analysis.owned_state(piece.leaf):
+            outbox["state"].append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece)))
+    outbox["shared"] = [to_host(state_leaves[j], plan.state[j]) for j in plan.analysis.shared_state]
+    if phase == plan.k - 1:
+        outbox["extras"] = [to_host(x, l) for x, l in zip(jax.tree.leaves(extras), plan.extras)]
+    return outbox
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _after(plan: CapturePlan, phase: int, grads, params, opt_state) -> tuple[list, list]:
+    grads_leaves = jax.tree.leaves(grads)
+    pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p) for p in plan.slicing.pieces_upto(phase)]
+    cuts: list = []
+    if plan.analysis.n_globals:
+        _, _, cuts = recorded_update(plan, params, opt_state, grads)
+    host = scalar_host_sharding(plan)
+    return pieces, [jax.device_put(g, host) for g in pack_globals(cuts)]
+
+
+def capture_before(plan: CapturePlan, phase: int, params, opt_state, extras: Any = None) -> Outbox:
+    """Copy slice ``phase`` of the input state; call before the step that reads it."""
+    return _before(plan, phase, params, opt_state, extras)
+
+
+def capture_after(plan: CapturePlan, phase: int, outbox: Outbox, grads, params=None, opt_state=None) -> Outbox:
+    """Add the step's gradient pieces (and global scalars) to ``outbox``; call after the step.
+
+    ``params``/``opt_state`` are the step's *inputs*, needed only when the optimizer has
+    global scalars.
+    """
+    if phase == plan.k - 1:
+        return outbox
+    if plan.analysis.n_globals and (params is None or any(
+            getattr(x, "is_deleted", lambda: False)() for x in jax.tree.leaves((params, opt_state)))):
+        raise ValueError(
+            "this optimizer needs global scalars (e.g. clip_by_global_norm) recomputed from the "
+            "step's inputs, which were not given or were donated; pass the step's input params "
+            "and opt_state without donating them, or capture in-graph with capture_update.")
+    pieces, packed = _after(plan, phase, grads, params, opt_state)
+    return {**outbox, "grads": pieces, "globals": packed}
