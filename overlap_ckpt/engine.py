@@ -28,9 +28,45 @@ log = logging.getLogger(__name__)
 
 
 class Sink(Protocol):
-    """Receives the consistent host state of version ``step`` (trees of HostArray)."""
+    """Receives the consistent host state of version ``step`` (trees of HostArray).
+
+    A sink may keep references to the arrays until it has persisted them. If it has a
+    ``pending_steps()`` method (as :class:`overlap_ckpt.storage.CheckpointStore` does),
+    the engine reuses a host copy once its step is no longer pending; otherwise every
+    window gets a fresh host copy.
+    """
 
     def save(self, step: int, tree: Any, metadata: dict | None = None) -> None: ...
+
+
+class BufferPool:
+    """Host copies of the state, reused across windows once the sink is done with them.
+
+    Reuse matters: copying into freshly allocated memory page-faults on every page, which
+    on a small host runs several times slower than copying into memory already touched.
+    """
+
+    def __init__(self, sink: Sink, max_free: int = 2):
+        self.sink = sink
+        self.max_free = max_free
+        self._lent: list[tuple[int, HostBuffers]] = []  # (step, buffers) handed to the sink
+
+    def acquire(self, plan: CapturePlan) -> HostBuffers:
+        pending = getattr(self.sink, "pending_steps", None)
+        if pending is not None:
+            busy = set(pending())
+            for i, (step, buffers) in enumerate(self._lent):
+                if step not in busy and buffers.plan is plan:
+                    del self._lent[i]
+                    return buffers
+        return HostBuffers(plan)
+
+    def lend(self, step: int, buffers: HostBuffers) -> None:
+        """Record that ``buffers`` were handed to the sink for ``step``."""
+        if getattr(self.sink, "pending_steps", None) is None:
+            return  # the sink keeps them: never reuse
+        self._lent.append((step, buffers))
+        del self._lent[:-self.max_free]
 
 
 class MemorySink:
@@ -65,6 +101,7 @@ class OverlapEngine:
         self.plan: CapturePlan | None = None
         self._programs: ReplayPrograms | None = None
         self._queue: queue.Queue = queue.Queue()
+        self._pool = BufferPool(sink)
         self._errors: list[BaseException] = []
         self.windows_completed = 0
         self.windows_aborted = 0
@@ -141,7 +178,7 @@ class OverlapEngine:
                 if phase == 0:
                     if window is not None:
                         self._abort(window, f"a new window for step {version} started")
-                    window = WindowReplay(plan, HostBuffers(plan), version, programs)
+                    window = WindowReplay(plan, self._pool.acquire(plan), version, programs)
                 if window is None or window.plan is not plan or window.version != version:
                     continue  # joined mid-window (e.g. after a resume): wait for the next one
                 start = time.perf_counter()
@@ -151,6 +188,7 @@ class OverlapEngine:
                     params, opt_state, extras = window.result()
                     self.replayed_bytes += window.replayed_bytes
                     self.sink.save(version, self.combine(params, opt_state, extras), metadata)
+                    self._pool.lend(version, window.buffers)
                     self.windows_completed += 1
                     window = None
             except WindowAborted as e:
