@@ -22,3 +22,19 @@ __all__ = [
     "CapturePlan", "make_plan", "WindowSchedule", "TrainState", "CheckpointManager", "nnx",
 ]
 __version__ = "0.1.0"
+
+# The Orbax door and the storage layer import orbax/tensorstore (~0.6 s): loaded on first use.
+_LAZY = {"HostCopySink": "orbax_handler", "OverlapCheckpointHandler": "orbax_handler",
+         "OverlapSave": "orbax_handler", "overlap_handler_registry": "orbax_handler",
+         "orbax_handler": None, "storage": None}
+__all__ += list(_LAZY)
+
+
+def __getattr__(name):
+    if name not in _LAZY:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    import importlib
+    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
+    value = module if _LAZY[name] is None else getattr(module, name)
+    globals()[name] = value
+    return value

@@ -1,0 +1,304 @@
+"""Storage throughput: our persist/restore vs stock Orbax vs a raw sequential write.
+
+Run from the repository root::
+
+    python -m benchmarks.bench_storage --gib 1 --json benchmarks/results/storage.json
+    python -m benchmarks.bench_storage --gib 0.05          # smoke test
+
+One run builds a random float32 state of ``--gib`` GiB split into a transformer-like tree
+(embedding + per-layer attention/MLP matrices + norm vectors, ~100 leaves) and measures,
+each ``--repeats`` times in interleaved order on the same filesystem (``--dir``):
+
+* ``raw_write``      the same bytes written sequentially to one file, fsync'd (dd-like);
+* ``raw_write_parallel`` the same bytes as 4 files written by 4 threads, each fsync'd;
+* ``ours_persist``   ``CheckpointStore.save`` + ``wait_until_finished`` (commit included);
+* ``orbax_save``     ``ocp.StandardCheckpointer().save`` + ``wait_until_finished`` (sync);
+* ``ours_restore``   ``CheckpointStore.restore(target=...)`` onto a CPU sharding;
+* ``orbax_restore``  ``StandardCheckpointer().restore(path, abstract_tree)``;
+* ``raw_read_cold``  the raw file read back sequentially from disk (the cold-restore ceiling).
+
+Each round runs every measurement once (after an ``os.sync()``), in an order rotated from
+round to round, after ``--warmup`` unrecorded rounds (on VMs the first touch of fresh page-cache/heap memory is
+several times slower than later ones, which would penalize whoever runs first).
+
+Restores are measured "warm" (files in the page cache, as right after a save) and, with
+``--cold`` (default on), after evicting every checkpoint file from the page cache with
+``posix_fadvise(DONTNEED)`` (no root needed), so that reads come from the device.
+Reported numbers are medians over repeats (GiB/s = 2**30 bytes per second).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import os
+import platform
+import shutil
+import statistics
+import tempfile
+import time
+from typing import Any, Callable
+
+import numpy as np
+
+GIB = 2**30
+
+
+def make_state(gib: float, n_layers: int, seed: int = 0) -> dict[str, Any]:
+    """A transformer-shaped float32 tree of about ``gib`` GiB (10 leaves per layer + 2)."""
+    params = gib * GIB / 4
+    d = max(8, int(math.sqrt(params / (12 * n_layers + 8)) // 8 * 8))
+    rng = np.random.default_rng(seed)
+
+    def rand(*shape):
+        return rng.standard_normal(shape, dtype=np.float32)
+
+    layers = {}
+    for i in range(n_layers):
+        layers[f"layer_{i:02d}"] = {
+            "attn": {"q": rand(d, d), "k": rand(d, d), "v": rand(d, d), "o": rand(d, d)},
+            "mlp": {"up": rand(d, 4 * d), "down": rand(4 * d, d)},
+            "ln1": {"scale": rand(d), "bias": rand(d)},
+            "ln2": {"scale": rand(d), "bias": rand(d)},
+        }
+    return {"embed": rand(8 * d, d), "layers": layers, "final_norm": rand(d)}
+
+
+def leaves_of(tree) -> list[np.ndarray]:
+    import jax
+
+    return jax.tree_util.tree_leaves(tree)
+
+
+def drop_cache(path: str) -> None:
+    """Evict ``path``'s files from the page cache (they are clean: fsync'd)."""
+    for dirpath, _dirs, files in os.walk(path):
+        for name in files:
+            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
+            try:
+                os.fsync(fd)
+                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+            finally:
+                os.close(fd)
+
+
+def raw_write(path: str, arrays: list[np.ndarray]) -> None:
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        for a in arrays:
+            view = memoryview(np.ascontiguousarray(a)).cast("B")
+            while view:
+                view = view[os.write(fd, view):]
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def raw_write_parallel(directory: str, arrays: list[np.ndarray], writers: int = 4) -> None:
+    """The same bytes as ``writers`` files written and fsync'd by concurrent threads: the
+    best a multi-file writer (like ours, which writes several OCDBT data files at once)
+    can expect from this filesystem."""
+    from concurrent.futures import ThreadPoolExecutor
+
+    groups = [arrays[i::writers] for i in range(writers)]
+    with ThreadPoolExecutor(writers) as pool:
+        list(pool.map(lambda ig: raw_write(os.path.join(directory, f"raw_{ig[0]}.bin"), ig[1]),
+                      enumerate(groups)))
+
+
+def raw_read(path: str, nbytes: int) -> np.ndarray:
+    """Sequential read of ``path`` into a fresh buffer (64 MiB reads)."""
+    out = np.empty(nbytes, np.uint8)
+    view, done = memoryview(out), 0
+    with open(path, "rb", buffering=0) as f:
+        while done < nbytes:
+            n = f.readinto(view[done:done + (64 << 20)])
+            if not n:
+                break
+            done += n
+    return out
+
+
+def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
+    t0 = time.perf_counter()
+    out = fn()
+    return time.perf_counter() - t0, out
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
+    ap.add_argument("--layers", type=int, default=10, help="layers of the tree (10 leaves each)")
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="unrecorded rounds before measuring")
+    ap.add_argument("--dir", default=None,
+                    help="parent directory for the files (default: the system temp dir)")
+    ap.add_argument("--json", default=None, help="write the results as JSON to this path")
+    ap.add_argument("--no-orbax", action="store_true", help="skip the Orbax measurements")
+    ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache restores")
+    ap.add_argument("--chunk-mib", type=float, default=None, help="CheckpointStore chunk_bytes (MiB)")
+    args = ap.parse_args(argv)
+
+    import jax
+    import orbax.checkpoint as ocp
+
+    from overlap_ckpt.storage import CheckpointStore
+
+    parent = os.path.abspath(args.dir or tempfile.gettempdir())
+    os.makedirs(parent, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench_", dir=parent)
+    state = make_state(args.gib, args.layers)
+    arrays = leaves_of(state)
+    nbytes = sum(a.nbytes for a in arrays)
+    gib = nbytes / GIB
+    cpu = jax.devices("cpu")[0]
+    sharding = jax.sharding.SingleDeviceSharding(cpu)
+    abstract = jax.tree_util.tree_map(lambda a: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=sharding), state)
+    jax_state = None if args.no_orbax else jax.device_put(state, cpu)
+    store_kw = {}
+    if args.chunk_mib:
+        store_kw["chunk_bytes"] = int(args.chunk_mib * 2**20)
+    print(f"state: {gib:.3f} GiB in {len(arrays)} leaves; files under {work}", flush=True)
+
+    runs: dict[str, list[float]] = {k: [] for k in (
+        "raw_write", "raw_write_parallel", "ours_persist", "orbax_save", "ours_restore_warm", "orbax_restore_warm",
+        "ours_restore_cold", "orbax_restore_cold", "raw_read_cold")}
+
+    def rate(key, seconds):
+        runs[key].append(gib / seconds)
+
+    checked = False
+    ckptr = None if args.no_orbax else ocp.StandardCheckpointer()
+
+    def one_round(r: int, record: bool) -> None:
+        """All measurements once, in an order rotated by ``r`` (spreads order effects)."""
+        nonlocal checked
+        ours_dir, orbax_dir = os.path.join(work, f"ours_{r}"), os.path.join(work, f"orbax_{r}")
+        raw_path = os.path.join(work, "raw.bin")
+        store = CheckpointStore(ours_dir, **store_kw)
+
+        def persist():
+            store.save(1, state)
+            store.wait_until_finished()
+
+        def orbax_save():
+            ckptr.save(orbax_dir, jax_state)
+            ckptr.wait_until_finished()
+
+        raw_dir = os.path.join(work, "raw_parallel")
+        os.makedirs(raw_dir, exist_ok=True)
+        writes = [("raw_write", lambda: raw_write(raw_path, arrays)), ("ours_persist", persist),
+                  ("raw_write_parallel", lambda: raw_write_parallel(raw_dir, arrays))]
+        if ckptr is not None:
+            writes.append(("orbax_save", orbax_save))
+        for key, fn in writes[r % len(writes):] + writes[:r % len(writes)]:
+            os.sync()  # no writeback left over from the previous measurement
+            seconds = timed(fn)[0]
+            if record:
+                rate(key, seconds)
+        shutil.rmtree(raw_dir)
+
+        def ours_restore():
+            restored, _ = store.restore(1, abstract)
+            return jax.block_until_ready(restored)
+
+        def orbax_restore():
+            return jax.block_until_ready(ckptr.restore(orbax_dir, abstract))
+
+        reads = [("ours", ours_dir, ours_restore)]
+        if ckptr is not None:
+            reads.append(("orbax", orbax_dir, orbax_restore))
+        for temp in ("warm",) if args.no_cold else ("warm", "cold"):
+            for who, path, fn in reads[r % len(reads):] + reads[:r % len(reads)]:
+                os.sync()
+                if temp == "cold":
+                    drop_cache(path)
+                seconds, restored = timed(fn)
+                if record:
+                    rate(f"{who}_restore_{temp}", seconds)
+                if who == "ours" and not checked:
+                    for a, b in zip(arrays, leaves_of(restored)):
+                        assert np.array_equal(a, np.asarray(b)), "restore is not bitwise equal"
+                    checked = True
+                del restored
+        if not args.no_cold:  # the disk's own read speed: the ceiling of any cold restore
+            os.sync()
+            drop_cache(raw_path)
+            seconds = timed(lambda: raw_read(raw_path, nbytes))[0]
+            if record:
+                rate("raw_read_cold", seconds)
+        os.unlink(raw_path)
+        store.close()
+        shutil.rmtree(ours_dir)
+        shutil.rmtree(orbax_dir, ignore_errors=True)
+
+    try:
+        for r in range(args.warmup):
+            one_round(r, record=False)  # first touches of page cache / heap are slow on VMs
+        for r in range(args.repeats):
+            one_round(r, record=True)
+            print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
+                f"{k}={v[-1]:.2f}" for k, v in runs.items() if len(v) > r), flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    med = {k: statistics.median(v) for k, v in runs.items() if v}
+    ratios = {}
+    if "raw_write" in med:
+        ratios["persist_vs_raw"] = med["ours_persist"] / med["raw_write"]
+        ratios["persist_vs_raw_parallel"] = med["ours_persist"] / med["raw_write_parallel"]
+    if "orbax_save" in med:
+        ratios["persist_vs_orbax_save"] = med["ours_persist"] / med["orbax_save"]
+    if "raw_read_cold" in med:
+        ratios["restore_cold_vs_raw_read"] = med["ours_restore_cold"] / med["raw_read_cold"]
+    for temp in ("warm", "cold"):
+        if f"orbax_restore_{temp}" in med:
+            ratios[f"restore_{temp}_vs_orbax"] = med[f"ours_restore_{temp}"] / med[f"orbax_restore_{temp}"]
+
+    rows = [("raw sequential write (fsync)", "raw_write", None),
+            ("raw write, 4 files in parallel (fsync)", "raw_write_parallel", None),
+            ("ours: persist (save+wait, committed)", "ours_persist", "persist_vs_raw"),
+            ("orbax: StandardCheckpointer sync save", "orbax_save", None),
+            ("ours: restore, warm cache", "ours_restore_warm", "restore_warm_vs_orbax"),
+            ("orbax: restore, warm cache", "orbax_restore_warm", None),
+            ("ours: restore, cold cache", "ours_restore_cold", "restore_cold_vs_orbax"),
+            ("orbax: restore, cold cache", "orbax_restore_cold", None),
+            ("raw sequential read, cold cache", "raw_read_cold", None)]
+    print(f"\n{'measurement':42s} {'GiB/s (median)':>15s} {'min..max':>14s}  ratio")
+    for label, key, ratio in rows:
+        if key not in med:
+            continue
+        ratio_txt = ""
+        if ratio in ratios:
+            ratio_txt = f"{ratios[ratio]:.2f}x {'raw' if ratio == 'persist_vs_raw' else 'orbax'}"
+        print(f"{label:42s} {med[key]:15.2f} {min(runs[key]):6.2f}..{max(runs[key]):<6.2f}  {ratio_txt}")
+    print(f"{'(ours persist vs raw parallel write)':42s} {'':15s} {'':14s}  "
+          f"{ratios['persist_vs_raw_parallel']:.2f}x raw-parallel")
+    if "restore_cold_vs_raw_read" in ratios:
+        print(f"{'(ours cold restore vs raw cold read)':42s} {'':15s} {'':14s}  "
+              f"{ratios['restore_cold_vs_raw_read']:.2f}x raw-read")
+    if "persist_vs_orbax_save" in ratios:
+        print(f"{'(ours persist vs orbax save)':42s} {'':15s} {'':14s}  {ratios['persist_vs_orbax_save']:.2f}x orbax")
+
+    result = {
+        "benchmark": "storage",
+        "state_bytes": nbytes, "state_gib": gib, "leaves": len(arrays), "repeats": args.repeats,
+        "warmup": args.warmup, "store_options": {k: v for k, v in store_kw.items()},
+        "filesystem_dir": parent,
+        "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
+        "runs_gibps": runs, "median_gibps": med, "ratios": ratios,
+        "targets": {"persist_vs_raw": 0.9, "restore_vs_orbax": 2.0},
+        "notes": "orbax restores and ours go to the same CPU sharding; cold = page cache evicted "
+                 "with posix_fadvise(DONTNEED) before the restore.",
+    }
+    if args.json:
+        os.makedirs(os.path.dirname(os.path.abspath(args.json)), exist_ok=True)
+        with open(args.json, "w") as f:
+            json.dump(result, f, indent=2)
+        print(f"\nwrote {args.json}")
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,91 @@
+"""Atomic commit and crash-safe deletion of steps.
+
+Invariant: a step directory that *looks* complete (final name on POSIX, commit marker on
+object stores) is complete. Hence:
+
+* **POSIX**: everything is written under ``<step>.orbax-checkpoint-tmp/``; all files are
+  fsync'd (TensorStore fsyncs its files, :class:`LocalLocation` ours), then every directory
+  of the tree, then ``commit_success.txt`` is written and the directory is renamed to
+  ``<step>/`` (atomic), and the root directory is fsync'd so the rename survives power
+  loss. A crash before the rename leaves only a tmp directory, invisible to readers.
+* **Object stores** (no rename): data and metadata are written in ``<step>/`` and the
+  ``commit_success.txt`` marker is written strictly last; readers ignore a step without it.
+* **Deletion** runs the protocol backwards: on POSIX the step is first renamed to a tmp
+  name (so a crash mid-``rmtree`` never leaves a half-deleted ``<step>/``), on object
+  stores the marker is deleted first.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from . import layout
+from .location import Location
+
+
+@dataclasses.dataclass(frozen=True)
+class StepListing:
+    complete: list[int]
+    incomplete: list[int]
+
+
+def working_dir(location: Location, step: int) -> str:
+    """Where a step is written before its commit."""
+    return layout.tmp_dir(step) if location.atomic_rename else layout.step_dir(step)
+
+
+def list_steps(location: Location) -> StepListing:
+    """Committed and partial steps under the root (one directory listing, plus one marker
+    lookup per step on object stores)."""
+    complete, incomplete = set(), set()
+    for name in location.list_children(""):
+        parsed = layout.parse_step_name(name)
+        if parsed is None:
+            continue
+        step, final = parsed
+        if not final:
+            incomplete.add(step)
+        elif location.atomic_rename:
+            if location.is_dir(name):
+                complete.add(step)
+        elif location.exists(f"{name}/{layout.COMMIT_MARKER}"):
+            complete.add(step)
+        else:
+            incomplete.add(step)
+    return StepListing(sorted(complete), sorted(incomplete - complete))
+
+
+def commit(location: Location, step: int) -> None:
+    """Make the fully written step ``step`` visible, atomically (see module docstring)."""
+    work = working_dir(location, step)
+    marker = f"Checkpoint commit was successful to {location.describe(layout.step_dir(step))}"
+    location.write_bytes(f"{work}/{layout.COMMIT_MARKER}", marker.encode())
+    if location.atomic_rename:
+        location.sync_tree(work)
+        location.rename(work, layout.step_dir(step))
+
+
+def delete_step(location: Location, step: int) -> None:
+    """Delete a committed step so that no crash point leaves it looking complete."""
+    name = layout.step_dir(step)
+    if location.atomic_rename:
+        doomed = f"{step}{layout.DELETING_SUFFIX}"
+        location.delete_tree(doomed)
+        location.rename(name, doomed)
+        location.delete_tree(doomed)
+    else:
+        location.delete_tree(f"{name}/{layout.COMMIT_MARKER}")
+        location.delete_tree(name)
+
+
+def delete_incomplete(location: Location, step: int) -> None:
+    """Remove every partial leftover of ``step`` (never a committed ``<step>/`` on POSIX)."""
+    for name in location.list_children(""):
+        parsed = layout.parse_step_name(name)
+        if parsed is None or parsed[0] != step:
+            continue
+        if parsed[1] and location.atomic_rename:
+            continue  # final name on POSIX = committed: never touched here
+        if parsed[1] and location.exists(f"{name}/{layout.COMMIT_MARKER}"):
+            continue
+        location.delete_tree(name)
