@@ -3,6 +3,7 @@
     overlap-ckpt demo [--dir D] [--steps 120] [--interval 20] [--window 3] [--quiet]
     overlap-ckpt inspect DIR
     overlap-ckpt verify DIR [--step N]
+    overlap-ckpt simulate --params 7e9 [--accelerators 8 64] [--step-time 1.0] [--intervals 10 50]
 
 User errors (missing or unwritable directory, not a checkpoint directory) print one line on
 stderr and exit 1; Ctrl-C exits 130 after naming the last committed step.
@@ -383,11 +384,43 @@ def cmd_demo(args) -> int:
     return 0
 
 
+# -- simulate --------------------------------------------------------------------------------
+def _count(text: str) -> float:
+    """``7e9``, ``7B``, ``350M``, ``1.5T`` -> a number."""
+    t = text.strip()
+    scale = {"k": 1e3, "m": 1e6, "b": 1e9, "g": 1e9, "t": 1e12}.get(t[-1:].lower())
+    try:
+        return float(t[:-1]) * scale if scale else float(t)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a parameter count: {text!r} (e.g. 7e9, 7B, 350M)") from None
+
+
+def cmd_simulate(args) -> int:
+    from . import costmodel
+
+    rows = []
+    try:
+        for params in args.params:
+            for n in args.accelerators:
+                rows += costmodel.simulate(
+                    params, n, step_time_s=args.step_time, hardware=args.hardware,
+                    d2h_gbps=args.d2h_gbps, persist_gbps=args.persist_gbps,
+                    accelerators_per_node=args.accelerators_per_node,
+                    overlappable_fraction=args.overlappable_fraction,
+                    state_bytes_per_param=args.state_bytes_per_param,
+                    grad_bytes_per_param=args.grad_bytes_per_param, replay_gbps=args.replay_gbps,
+                    intervals=args.intervals, max_k=args.max_k)
+    except ValueError as e:
+        raise UserError(str(e)) from None
+    print(costmodel.format_simulation_table(rows))
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overlap-ckpt",
                                 description="Overlapped (GoCkpt-style) checkpointing for JAX/Flax.")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,inspect,verify}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,inspect,verify,simulate}")
     d = sub.add_parser("demo", help="train, kill mid-window, resume, and check bitwise equality")
     d.add_argument("--dir", default=DEFAULT_DEMO_DIR, help=f"checkpoint directory (default {DEFAULT_DEMO_DIR})")
     d.add_argument("--steps", type=int, default=120)
@@ -402,6 +435,23 @@ def build_parser() -> argparse.ArgumentParser:
     v.add_argument("dir", metavar="DIR")
     v.add_argument("--step", type=int, default=None)
     v.set_defaults(func=cmd_verify)
+    s = sub.add_parser("simulate", help="cost-model stall and ETTR of sync, async, overlap K=1 and auto-K")
+    s.add_argument("--params", type=_count, nargs="+", required=True, metavar="P",
+                   help="model parameter counts (7e9, 7B, 350M...)")
+    s.add_argument("--accelerators", type=int, nargs="+", default=[8], metavar="N",
+                   help="accelerator counts; state and gradient are sharded over them (default 8)")
+    s.add_argument("--step-time", type=float, default=1.0, help="seconds per training step (default 1.0)")
+    s.add_argument("--hardware", default="h100-pcie5", help="link-speed preset (h100-pcie5, a100-pcie4)")
+    s.add_argument("--d2h-gbps", type=float, default=None, help="device->host GB/s per accelerator")
+    s.add_argument("--persist-gbps", type=float, default=None, help="storage GB/s per node")
+    s.add_argument("--accelerators-per-node", type=int, default=None)
+    s.add_argument("--overlappable-fraction", type=float, default=0.9)
+    s.add_argument("--state-bytes-per-param", type=float, default=16.0)
+    s.add_argument("--grad-bytes-per-param", type=float, default=2.0)
+    s.add_argument("--replay-gbps", type=float, default=None, help="host replay GB/s per accelerator")
+    s.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
+    s.add_argument("--max-k", type=int, default=16)
+    s.set_defaults(func=cmd_simulate)
     return p
 
 

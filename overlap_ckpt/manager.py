@@ -168,7 +168,7 @@ class CheckpointManager:
         else:
             _check_linen_state(state)
             self._kind = "linen"
-            state = flax_linen.with_step_array(state)
+            state = _committed(flax_linen.with_step_array(state))
             step = int(state.step)
         self._ensure_engine(state)
         self._next_step = step
@@ -445,3 +445,14 @@ class CheckpointManager:
 
 
 __all__ = ["CheckpointManager"]
+
+
+def _committed(tree: Any) -> Any:
+    """Commit every array to the sharding it already has.
+
+    A freshly initialised state holds *uncommitted* arrays, while a window step returns
+    arrays committed to their devices (its pinned-host outputs pin the placement). Jit
+    keys its cache on that difference, so without this the first window step and the
+    first step after it would each compile the train step once more.
+    """
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, tree)

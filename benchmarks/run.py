@@ -1,0 +1,625 @@
+"""Side-by-side benchmark: no checkpointing vs stock Orbax (sync, async) vs overlap_ckpt.
+
+Run from the repository root (``pip install -e ".[bench]"`` for matplotlib/psutil)::
+
+    python -m benchmarks.run --model 20m --intervals 10 50 --steps 100 --out benchmarks/results/cpu_20m
+    python -m benchmarks.run --model tiny --steps 24 --intervals 8 --out /tmp/smoke     # smoke test
+
+One driver process trains the Flax transformer LM (Linen ``overlap_ckpt.TrainState``, adamw,
+synthetic tokens, donated jitted step) once per configuration, each in a fresh subprocess so
+that its peak RSS is attributable, on the same model and machine:
+
+* ``none``          no checkpointing (the reference for stalls and ETTR);
+* ``orbax_sync``    ``ocp.CheckpointManager`` with ``enable_async_checkpointing=False``;
+* ``orbax_async``   ``ocp.CheckpointManager`` with async checkpointing (Orbax's default);
+* ``overlap_k1``    ``overlap_ckpt.CheckpointManager(window=1)``;
+* ``overlap_auto``  ``window="auto"`` (K=1 on the CPU backend; chosen by the cost model on
+  accelerators);
+* ``overlap_k3``    ``window=3`` (a multi-step window with host replay).
+
+Every checkpointing configuration runs once per ``--intervals`` value N (a checkpoint of the
+state at every step that is a multiple of N). Each run starts its step counter at
+``N - --warmup-steps`` and trains unmeasured through the first checkpoint at step N (compiles
+every step variant and the host replay, writes one checkpoint),
+waits for the checkpointer, then times ``--steps`` steps (rounded up to a multiple of N), then
+times the final ``wait_until_finished`` separately, then restores the last step 3 times.
+
+Measured per configuration (see benchmarks/README.md for the exact definitions): median step
+time, stall per checkpoint, ETTR, persist GiB/s vs a raw fsync'd sequential write of the same
+bytes (measured by the driver, same filesystem), restore time (ours vs Orbax), peak host RSS,
+host replay GB/s; and the cost model's stall/ETTR prediction from the measured step time,
+device->host bandwidth and persist bandwidth. Outputs: ``<out>.json``, ``<out>.md``,
+``<out>_timeline.png``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+from typing import Any
+
+GIB = 2**30
+_T0 = time.perf_counter()  # process start (a worker's wall time includes imports and compiles)
+CONFIGS = ("orbax_sync", "orbax_async", "overlap_k1", "overlap_auto", "overlap_k3")
+LABELS = {"none": "no checkpointing", "orbax_sync": "Orbax sync", "orbax_async": "Orbax async",
+          "overlap_k1": "overlap K=1", "overlap_auto": "overlap auto-K", "overlap_k3": "overlap K=3"}
+TARGETS = {"ettr": 0.95, "persist_vs_raw": 0.90, "restore_vs_orbax": 2.0, "rss_vs_state": 1.25}
+
+
+# =============================================================================== worker
+
+
+def _rss_now() -> int:
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmRSS:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    try:
+        import psutil
+        return int(psutil.Process().memory_info().rss)
+    except ImportError:
+        return 0
+
+
+def _rss_peak() -> int:
+    """High-water mark of this process's RSS (bytes)."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss
+    return int(peak if sys.platform == "darwin" else peak * 1024)
+
+
+def _tree_bytes(tree: Any) -> int:
+    import jax
+    return int(sum(x.size * x.dtype.itemsize for x in jax.tree.leaves(tree)))
+
+
+def worker(spec: dict) -> dict:
+    """Train one configuration; return its measurements (JSON-serialisable)."""
+    import functools
+
+    import jax
+    import jax.numpy as jnp
+    import numpy as np
+    import optax
+
+    import overlap_ckpt as oc
+    from overlap_ckpt.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+
+    cfg_name, n = spec["config"], spec["interval"]
+    backend = jax.default_backend()
+    if spec["platform"] == "gpu" and backend != "gpu":
+        raise RuntimeError(f"--platform gpu but JAX's default backend is {backend!r}")
+    config = LMConfig.preset(spec["model"])
+    model = TransformerLM(config)
+    tx = optax.adamw(1e-3, weight_decay=0.01)
+    data = SyntheticTokens(config.vocab_size, config.seq_len, spec["batch_size"], seed=0)
+    params = linen_init(config, 0)
+    state = oc.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
+    del params
+    param_bytes = _tree_bytes(state.params)
+    state_bytes = param_bytes + _tree_bytes(state.opt_state) + 4  # + the int32 step
+    # Committed arrays (an explicit device), as with any explicitly sharded state: without this
+    # the first step after a checkpoint window (whose outputs are committed) compiles again.
+    dev = jax.devices()[0]
+    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, dev) for i in range(spec["distinct_batches"])]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def tree_of(s):
+        return {"step": s.step, "params": s.params, "opt_state": s.opt_state}
+
+    def abstract(tree):
+        return jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding), tree)
+
+    # Training starts at step counter s0 (a few steps before the first checkpoint) so that the
+    # warm-up is short whatever N is; only adamw's bias correction sees the counter.
+    s0 = spec.get("start_step", 0)
+    state = jax.device_put(state.replace(step=jnp.asarray(s0, jnp.int32)), dev)
+    ckpt_dir = os.path.join(spec["ckpt_root"], f"{cfg_name}_N{n}")
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    mngr = omngr = None
+    if cfg_name.startswith("overlap"):
+        window = {"overlap_k1": 1, "overlap_k3": 3, "overlap_auto": "auto"}[cfg_name]
+        mngr = oc.CheckpointManager(ckpt_dir, save_interval_steps=n, max_to_keep=2, window=window,
+                                    persist_bytes_per_s=spec.get("persist_bytes_per_s") or 1e9)
+        state = mngr.prepare(state)
+    elif cfg_name.startswith("orbax"):
+        import orbax.checkpoint as ocp
+        omngr = ocp.CheckpointManager(ckpt_dir, options=ocp.CheckpointManagerOptions(
+            save_interval_steps=n, max_to_keep=2, enable_async_checkpointing=cfg_name == "orbax_async"))
+    
+    def finish_wait():
+        if mngr is not None:
+            mngr.wait_until_finished()
+        if omngr is not None:
+            omngr.wait_until_finished()
+
+    warmup, steps = spec["warmup"], spec["steps"]
+    rows = []  # (t, phase/save flag, start, end) of measured steps
+    rss_before = _rss_now()
+    for t in range(s0, s0 + warmup + steps):
+        if t == s0 + warmup:
+            finish_wait()  # the warm-up checkpoint is not measured
+            if mngr is not None:
+                eng = mngr.engine
+                eng.replay_seconds, eng.replayed_bytes, eng.windows_completed = 0.0, 0, 0
+                eng.spans = []
+                hist0 = len(mngr.store.history)
+        phase = state.ckpt_phase if mngr is not None else None
+        batch = batches[t % len(batches)]
+        start = time.perf_counter()
+        state, loss = train_step(state, batch)
+        save = False
+        if mngr is not None:
+            state = mngr.step(state)
+        elif omngr is not None and (t + 1) % n == 0:
+            # The state after step t is version t + 1 (the input of step t + 1), as for overlap.
+            save = bool(omngr.save(t + 1, args=ocp.args.StandardSave(tree_of(state))))
+        jax.block_until_ready((state.params, state.opt_state, loss))
+        end = time.perf_counter()
+        if t >= s0 + warmup:
+            rows.append({"t": t, "phase": phase, "save": save, "start": start, "end": end})
+    wait_start = time.perf_counter()
+    finish_wait()
+    final_wait_s = time.perf_counter() - wait_start
+    rss_peak = _rss_peak()
+    loss_final = float(loss)
+    d2h = None
+    if spec.get("measure_d2h"):  # after the RSS reading: its buffers are not the baseline's
+        from overlap_ckpt.costmodel import measure_d2h_bandwidth
+        d2h = measure_d2h_bandwidth(nbytes=int(min(max(state_bytes, 16 << 20), 256 << 20)))
+
+    out: dict[str, Any] = {
+        "wall_s": time.perf_counter() - _T0,
+        "config": cfg_name, "interval": n, "backend": backend, "device": str(jax.devices()[0]),
+        "num_params": int(config.num_params()), "param_bytes": param_bytes, "state_bytes": state_bytes,
+        "start_step": s0, "warmup_steps": warmup, "steps": rows, "final_wait_s": final_wait_s, "final_loss": loss_final,
+        "rss_before_train_bytes": rss_before, "rss_peak_bytes": rss_peak, "d2h_bytes_per_s": d2h,
+    }
+    if mngr is not None:
+        eng = mngr.engine
+        out["k"] = int(eng.schedule.k)
+        out["replay_seconds"] = eng.replay_seconds
+        out["replayed_bytes"] = int(eng.replayed_bytes)
+        out["windows_completed"] = int(eng.windows_completed)
+        out["windows_aborted"] = int(getattr(eng, "windows_aborted", 0))
+        out["replay_spans"] = [list(s) for s in (eng.spans or [])]
+        out["persist"] = [{"step": r.step, "nbytes": r.nbytes, "queued_s": r.queued_seconds,
+                           "persist_s": r.persist_seconds, "start": getattr(r, "started_perf_s", 0.0)}
+                          for r in mngr.store.history[hist0:]]
+        out["saved_steps"] = mngr.all_steps()
+    if omngr is not None:
+        out["saved_steps"] = list(omngr.all_steps())
+
+    # Restore the last step into the abstract state (warm page cache, as right after training).
+    latest = None
+    if mngr is not None:
+        latest = mngr.latest_step()
+    elif omngr is not None:
+        latest = omngr.latest_step()
+    if latest is not None:
+        target = abstract(tree_of(state))
+        times = []
+        for _ in range(spec["restore_repeats"]):
+            t0 = time.perf_counter()
+            if mngr is not None:
+                restored, _ = mngr.store.restore(latest, target=target)
+            else:
+                restored = omngr.restore(latest, args=ocp.args.StandardRestore(target))
+            jax.block_until_ready(restored)
+            times.append(time.perf_counter() - t0)
+            ok = int(np.asarray(restored["step"])) == latest
+            del restored
+        out["restore_step"] = int(latest)
+        out["restore_s"] = times
+        out["restore_step_ok"] = bool(ok)
+    if mngr is not None:
+        mngr.close()
+    if omngr is not None:
+        omngr.close()
+    shutil.rmtree(ckpt_dir, ignore_errors=True)
+    return out
+
+
+# =============================================================================== analysis
+
+
+def _median(xs):
+    return statistics.median(xs) if xs else None
+
+
+def analyse(run: dict, base_median: float, base_mean: float) -> dict:
+    """Step-time statistics, stalls per checkpoint and ETTR of one configuration run."""
+    dts = [r["end"] - r["start"] for r in run["steps"]]
+    res = {"median_step_s": _median(dts), "mean_step_s": statistics.mean(dts), "measured_steps": len(dts)}
+    res["ettr"] = base_mean / res["mean_step_s"]
+    groups: dict[int, list[float]] = {}
+    cfg = run["config"]
+    if cfg.startswith("overlap"):
+        k = run["k"]
+        for r, dt in zip(run["steps"], dts):
+            if r["phase"] is not None:
+                groups.setdefault(r["t"] - r["phase"] + k - 1, []).append(dt - base_median)
+        # only complete windows (all K steps measured)
+        groups = {v: g for v, g in groups.items() if len(g) == k}
+    elif cfg.startswith("orbax"):
+        n = run["interval"]
+        for r, dt in zip(run["steps"], dts):
+            if (r["t"] + 1) % n == 0:
+                groups[r["t"] + 1] = [dt - base_median]
+    stalls = [sum(g) for g in groups.values()]
+    res["checkpoints_measured"] = len(stalls)
+    res["stall_per_ckpt_s"] = statistics.mean(stalls) if stalls else None
+    res["stall_per_ckpt_median_s"] = _median(stalls)
+    if run.get("persist"):
+        rec = run["persist"]
+        res["persist_gibps"] = sum(p["nbytes"] for p in rec) / GIB / sum(p["persist_s"] for p in rec)
+        res["persist_s_median"] = _median([p["persist_s"] for p in rec])
+    if cfg == "orbax_sync" and res["stall_per_ckpt_s"]:
+        res["sync_save_gibps"] = run["state_bytes"] / GIB / res["stall_per_ckpt_s"]
+    if run.get("replayed_bytes"):
+        res["replay_gbps"] = run["replayed_bytes"] / 1e9 / run["replay_seconds"]
+    if run.get("restore_s"):
+        res["restore_s"] = _median(run["restore_s"])
+    return res
+
+
+def predict(run: dict, res: dict, base: dict, persist_bps: float, f: float,
+            replay_bps: float | None) -> dict | None:
+    from overlap_ckpt import costmodel
+
+    cfg = run["config"]
+    if cfg == "none" or not base.get("d2h_bytes_per_s"):
+        return None
+    profile = costmodel.TrainingProfile(
+        step_time_s=base["median_step_s"], d2h_bytes_per_s=base["d2h_bytes_per_s"],
+        state_bytes=run["state_bytes"], grad_bytes=run["param_bytes"], persist_bytes_per_s=persist_bps,
+        overlappable_fraction=f, replay_bytes_per_s=replay_bps)
+    strategy = {"orbax_sync": "sync", "orbax_async": "async"}.get(cfg, "overlap")
+    k = run.get("k", 1)
+    est = costmodel.estimate(profile, strategy, k, run["interval"])
+    return {"strategy": strategy, "k": est.k, "stall_s": est.stall_s, "queue_wait_s": est.queue_wait_s,
+            "background_s": est.background_s, "ettr": est.ettr,
+            "inputs": {"step_time_s": profile.step_time_s, "d2h_bytes_per_s": profile.d2h_bytes_per_s,
+                       "state_bytes": profile.state_bytes, "grad_bytes": profile.grad_bytes,
+                       "persist_bytes_per_s": persist_bps, "overlappable_fraction": f,
+                       "replay_bytes_per_s": replay_bps}}
+
+
+def _fmt(x, spec=".3f", none="n/a"):
+    return none if x is None else format(x, spec)
+
+
+def _ms(x):
+    return "n/a" if x is None else f"{x * 1e3:.1f}"
+
+
+def _mark(ok):
+    return "n/a" if ok is None else ("met" if ok else "missed")
+
+
+def targets(report: dict) -> list[dict]:
+    rows = report["results"]
+    intervals = report["intervals"]
+    n10 = 10 if 10 in intervals else min(intervals)
+
+    def get(cfg, n):
+        return next((r for r in rows if r["config"] == cfg and r["interval"] == n), None)
+
+    out = []
+    auto = get("overlap_auto", n10)
+    e = auto["ettr"] if auto else None
+    others = ", ".join(f"{LABELS[c]} {get(c, n10)['ettr']:.3f}" for c in ("overlap_k1", "overlap_k3")
+                       if get(c, n10))
+    out.append({"name": f"overlap ETTR >= {TARGETS['ettr']} at N={n10}", "value": e,
+                "met": None if e is None else e >= TARGETS["ettr"],
+                "text": f"measured {_fmt(e)} (overlap auto-K, K={auto.get('k') if auto else '?'}; {others})"})
+    persist = [r["persist_gibps"] for r in rows if r.get("persist_gibps")]
+    raw = report["raw_write"]["median_gibps"]
+    p = _median(persist) / raw if persist else None
+    out.append({"name": f"persist >= {TARGETS['persist_vs_raw']:.0%} raw", "value": p,
+                "met": None if p is None else p >= TARGETS["persist_vs_raw"],
+                "text": f"measured {_fmt(p, '.2f')}x raw ({_fmt(_median(persist), '.3f')} GiB/s median over "
+                        f"overlap runs, persisting beside training, vs raw fsync'd write {raw:.3f} GiB/s)"})
+    ours = [r["restore_s"] for r in rows if r["config"].startswith("overlap") and r.get("restore_s")]
+    theirs = [r["restore_s"] for r in rows if r["config"].startswith("orbax") and r.get("restore_s")]
+    ratio = _median(theirs) / _median(ours) if ours and theirs else None
+    out.append({"name": f"restore >= {TARGETS['restore_vs_orbax']:.0f}x Orbax", "value": ratio,
+                "met": None if ratio is None else ratio >= TARGETS["restore_vs_orbax"],
+                "text": f"measured {_fmt(ratio, '.2f')}x (ours {_ms(_median(ours))} ms vs Orbax "
+                        f"{_ms(_median(theirs))} ms, median, warm cache)"})
+    extra = [r["rss_extra_vs_state"] for r in rows if r["config"].startswith("overlap")
+             and r.get("rss_extra_vs_state") is not None]
+    worst = max(extra) if extra else None
+    out.append({"name": f"peak RSS <= {TARGETS['rss_vs_state']}x state", "value": worst,
+                "met": None if worst is None else worst <= TARGETS["rss_vs_state"],
+                "text": f"measured {_fmt(worst, '.2f')}x state (worst overlap run: peak RSS above the "
+                        "no-checkpoint run's peak, / state bytes)"})
+    return out
+
+
+def markdown(report: dict) -> str:
+    base = report["baseline"]
+    m = report["machine"]
+    lines = [f"# overlap_ckpt vs Orbax: {report['model']} on {report['backend']}", "",
+             f"- model `{report['model']}`: {report['num_params'] / 1e6:.2f}M params, state (params + adamw) "
+             f"{report['state_bytes'] / 2**20:.1f} MiB; batch {report['batch_size']}; "
+             f"{report['steps']} measured steps per run after warm-up",
+             f"- machine: {m['platform']}, {m['cpus']} CPUs, device `{report['device']}`",
+             f"- no-checkpoint step: median {_ms(base['median_step_s'])} ms, mean {_ms(base['mean_step_s'])} ms; "
+             f"D2H {(_fmt(base.get('d2h_bytes_per_s') and base['d2h_bytes_per_s'] / 1e9, '.2f'))} GB/s; "
+             f"raw fsync'd sequential write {report['raw_write']['median_gibps']:.3f} GiB/s",
+             f"- cost model: overlappable fraction {report['overlappable_fraction']}, persist bandwidth = "
+             "raw write, replay bandwidth = measured K=3 replay", ""]
+    hdr = ["config", "N", "K", "median step ms (x none)", "stall/ckpt ms: measured", "predicted",
+           "x Orbax async", "ETTR: measured", "predicted", "x Orbax async", "final wait ms",
+           "persist GiB/s (x raw)", "restore ms (Orbax/ours)", "peak RSS MiB (extra / state)", "replay GB/s"]
+    lines += ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] + ["--:"] * (len(hdr) - 1)) + "|"]
+    raw = report["raw_write"]["median_gibps"]
+    rows = [report["baseline"]] + report["results"]
+    for r in rows:
+        n = r.get("interval")
+        oa = next((x for x in report["results"] if x["config"] == "orbax_async" and x["interval"] == n), None)
+        ob = next((x for x in report["results"] if x["config"].startswith("orbax") and x["interval"] == n
+                   and x.get("restore_s")), None)
+        pred = r.get("prediction") or {}
+        stall = r.get("stall_per_ckpt_s")
+        vs_stall = (f"{stall / oa['stall_per_ckpt_s']:.2f}x" if stall is not None and oa
+                    and oa.get("stall_per_ckpt_s") and oa["stall_per_ckpt_s"] > 0 else "-")
+        vs_ettr = f"{r['ettr'] / oa['ettr']:.3f}x" if oa and r["config"] != "none" else "-"
+        persist = (f"{r['persist_gibps']:.3f} ({r['persist_gibps'] / raw:.2f}x)" if r.get("persist_gibps")
+                   else (f"{r['sync_save_gibps']:.3f} (save+D2H)" if r.get("sync_save_gibps") else "-"))
+        if r.get("restore_s") is None:
+            restore = "-"
+        elif r["config"].startswith("overlap") and ob:
+            restore = f"{r['restore_s'] * 1e3:.1f} ({ob['restore_s'] / r['restore_s']:.2f}x)"
+        else:
+            restore = f"{r['restore_s'] * 1e3:.1f}"
+        rss = f"{r['rss_peak_bytes'] / 2**20:.0f}"
+        if r.get("rss_extra_vs_state") is not None and r["config"] != "none":
+            rss += f" ({r['rss_extra_vs_state']:+.2f}x)"
+        cells = [LABELS[r["config"]], str(n or "-"), str(r.get("k", "-")),
+                 f"{_ms(r['median_step_s'])} ({r['median_step_s'] / base['median_step_s']:.2f}x)",
+                 _ms(stall), _ms(pred.get("stall_s")), vs_stall,
+                 f"{r['ettr']:.3f}", _fmt(pred.get("ettr")), vs_ettr,
+                 _ms(r.get("final_wait_s")) if r["config"] != "none" else "-", persist, restore, rss,
+                 _fmt(r.get("replay_gbps"), ".2f", "-")]
+        lines.append("| " + " | ".join(cells) + " |")
+    lines += ["", "## Targets", ""]
+    for tgt in report["targets"]:
+        lines.append(f"- {tgt['name']}: {tgt['text']} -- **{_mark(tgt['met'])}**")
+    lines += ["", "Definitions: stall/ckpt = extra time over the no-checkpoint median step, summed over the "
+              "steps attributed to a checkpoint (Orbax: the step that calls save; overlap: the K window "
+              "steps), mean over the measured checkpoints; the final `wait_until_finished` is reported "
+              "separately. ETTR = mean no-checkpoint step time / mean step time. Peak RSS extra = peak RSS "
+              "minus the no-checkpoint run's peak RSS, relative to the state bytes. Restore = median of "
+              f"{report['restore_repeats']} restores of the last step into the abstract state, warm page cache.",
+              ""]
+    if report.get("warnings"):
+        lines += ["## Warnings", ""] + [f"- {w}" for w in report["warnings"]] + [""]
+    return "\n".join(lines)
+
+
+# =============================================================================== driver
+
+
+def _run_worker(spec: dict, env: dict, timeout: float | None) -> dict:
+    with tempfile.TemporaryDirectory(prefix="bench_run_") as tmp:
+        spec_path, out_path = os.path.join(tmp, "spec.json"), os.path.join(tmp, "out.json")
+        with open(spec_path, "w") as f:
+            json.dump(spec, f)
+        proc = subprocess.run([sys.executable, "-m", "benchmarks.run", "--worker", spec_path, out_path],
+                              env=env, capture_output=True, text=True, timeout=timeout)
+        if proc.returncode != 0 or not os.path.exists(out_path):
+            raise RuntimeError(f"worker {spec['config']} N={spec['interval']} failed (exit "
+                               f"{proc.returncode}):\n{proc.stderr[-4000:]}")
+        with open(out_path) as f:
+            return json.load(f)
+
+
+def _worker_env(platform_name: str, cache_dir: str | None) -> dict:
+    env = dict(os.environ)
+    if platform_name == "cpu":
+        env["JAX_PLATFORMS"] = "cpu"
+    env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+    env.setdefault("XLA_PYTHON_CLIENT_PREALLOCATE", "false")  # RSS / memory per run, GPU
+    if cache_dir:  # configurations share compiled programs (compile time is never measured)
+        env.setdefault("JAX_COMPILATION_CACHE_DIR", cache_dir)
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+        env.setdefault("JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES", "-1")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def measure_raw_write(state_bytes: int, directory: str, repeats: int) -> dict:
+    """Raw fsync'd sequential write of ``state_bytes`` (transformer-shaped float32 arrays)."""
+    from benchmarks.bench_storage import make_state, leaves_of, raw_write
+
+    arrays = leaves_of(make_state(state_bytes / GIB, n_layers=4))
+    nbytes = sum(a.nbytes for a in arrays)
+    path = os.path.join(directory, "raw_write.bin")
+    rates = []
+    try:
+        raw_write(path, arrays)  # warm-up (first touch of page cache)
+        for _ in range(repeats):
+            os.sync()
+            t0 = time.perf_counter()
+            raw_write(path, arrays)
+            rates.append(nbytes / GIB / (time.perf_counter() - t0))
+    finally:
+        if os.path.exists(path):
+            os.unlink(path)
+    return {"bytes": nbytes, "gibps": rates, "median_gibps": statistics.median(rates)}
+
+
+def main(argv: list[str] | None = None) -> dict | None:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--worker"]:
+        with open(argv[1]) as f:
+            spec = json.load(f)
+        result = worker(spec)
+        with open(argv[2], "w") as f:
+            json.dump(result, f)
+        return None
+
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--model", default="tiny", choices=("tiny", "small", "20m", "100m", "1b"))
+    ap.add_argument("--intervals", type=int, nargs="+", default=[10, 50])
+    ap.add_argument("--steps", type=int, default=100,
+                    help="measured steps per run (rounded up to a multiple of each interval)")
+    ap.add_argument("--platform", default="cpu", choices=("cpu", "gpu"))
+    ap.add_argument("--out", required=True, help="output prefix: writes <out>.json, <out>.md, <out>_timeline.png")
+    ap.add_argument("--batch-size", type=int, default=None, help="default: 8 (tiny/small), 4 (20m/100m), 8 (1b)")
+    ap.add_argument("--configs", nargs="+", default=list(CONFIGS), choices=CONFIGS)
+    ap.add_argument("--warmup-steps", type=int, default=6,
+                    help="unmeasured steps before the first checkpoint (which is unmeasured too)")
+    ap.add_argument("--ckpt-dir", default=None, help="where checkpoints and the raw write go (default: temp dir)")
+    ap.add_argument("--raw-repeats", type=int, default=3)
+    ap.add_argument("--restore-repeats", type=int, default=3)
+    ap.add_argument("--overlappable-fraction", type=float, default=None,
+                    help="cost model input (default 0 on cpu, 0.9 on gpu)")
+    ap.add_argument("--timeout", type=float, default=None, help="seconds per configuration subprocess")
+    args = ap.parse_args(argv)
+    if any(n < 3 for n in args.intervals) and "overlap_k3" in args.configs:
+        ap.error("overlap_k3 needs intervals >= 3")
+
+    from overlap_ckpt.models import LMConfig
+
+    config = LMConfig.preset(args.model)
+    batch_size = args.batch_size or {"tiny": 8, "small": 8, "20m": 4, "100m": 4, "1b": 8}[args.model]
+    f = args.overlappable_fraction
+    if f is None:
+        f = 0.0 if args.platform == "cpu" else 0.9
+    out_prefix = args.out
+    os.makedirs(os.path.dirname(os.path.abspath(out_prefix)) or ".", exist_ok=True)
+    ckpt_parent = os.path.abspath(args.ckpt_dir or tempfile.gettempdir())
+    os.makedirs(ckpt_parent, exist_ok=True)
+    ckpt_root = tempfile.mkdtemp(prefix="overlap_bench_", dir=ckpt_parent)
+    env = _worker_env(args.platform, os.path.join(ckpt_root, "jax_cache"))
+    started = time.perf_counter()
+
+    def log(msg):
+        print(f"[{time.perf_counter() - started:7.1f}s] {msg}", flush=True)
+
+    try:
+        approx_state = config.adam_state_bytes()
+        log(f"model {args.model}: {config.num_params() / 1e6:.2f}M params, ~{approx_state / 2**20:.1f} MiB "
+            f"state; raw fsync'd write of the same bytes in {ckpt_root}")
+        raw = measure_raw_write(approx_state, ckpt_root, args.raw_repeats)
+        log(f"raw write: {raw['median_gibps']:.3f} GiB/s")
+        common = {"model": args.model, "batch_size": batch_size, "platform": args.platform,
+                  "ckpt_root": ckpt_root, "restore_repeats": args.restore_repeats,
+                  "persist_bytes_per_s": raw["median_gibps"] * GIB}
+        base_steps = args.steps
+        spec = {**common, "config": "none", "interval": 0, "warmup": 3, "steps": base_steps,
+                "distinct_batches": min(16, base_steps + 3), "measure_d2h": True}
+        log(f"run none ({base_steps} steps)")
+        base_run = _run_worker(spec, env, args.timeout)
+        base = analyse(base_run, 1.0, 1.0)
+        base.update({k: base_run[k] for k in ("config", "rss_peak_bytes", "rss_before_train_bytes",
+                                                "d2h_bytes_per_s", "state_bytes", "param_bytes")})
+        base["ettr"] = 1.0
+        base["rss_extra_vs_state"] = 0.0
+        log(f"  median step {base['median_step_s'] * 1e3:.1f} ms, D2H {base_run['d2h_bytes_per_s'] / 1e9:.2f} GB/s")
+        n_ckpt_runs = len(args.intervals) * len(args.configs)
+        fixed = max(0.0, base_run["wall_s"] - (base_steps + 3) * base["mean_step_s"])
+        eta = sum((min(n, args.warmup_steps) + 1 + -(-args.steps // n) * n) * base["mean_step_s"] * 1.2
+                  + 1.5 * fixed for n in args.intervals) * len(args.configs)
+        log(f"{n_ckpt_runs} checkpointing runs: about {eta / 60:.1f} more minutes (estimate)")
+        runs = []
+        for n in args.intervals:
+            steps = -(-args.steps // n) * n
+            for cfg in args.configs:
+                # Warm-up: from step counter s0 through the first checkpoint (N) inclusive, so
+                # every step variant, the host replay and the first write are done unmeasured.
+                # window="auto" on accelerators first times 5 steps, then picks K: start at 0
+                # and warm up over two checkpoint cycles.
+                auto_acc = cfg == "overlap_auto" and args.platform != "cpu"
+                s0 = 0 if auto_acc else max(0, n - args.warmup_steps)
+                warmup = (2 * n + 1) if auto_acc else n - s0 + 1
+                spec = {**common, "config": cfg, "interval": n, "start_step": s0, "warmup": warmup,
+                        "steps": steps, "distinct_batches": min(16, steps + warmup)}
+                log(f"run {cfg} N={n} ({spec['warmup']} warm-up + {steps} steps)")
+                run = _run_worker(spec, env, args.timeout)
+                runs.append(run)
+        warnings = []
+        results = []
+        for run in runs:
+            res = analyse(run, base["median_step_s"], base["mean_step_s"])
+            res.update({"config": run["config"], "interval": run["interval"], "final_wait_s": run["final_wait_s"],
+                        "rss_peak_bytes": run["rss_peak_bytes"], "state_bytes": run["state_bytes"]})
+            if "k" in run:
+                res["k"] = run["k"]
+                res["windows_completed"] = run["windows_completed"]
+                res["windows_aborted"] = run.get("windows_aborted", 0)
+                if run.get("windows_aborted"):
+                    warnings.append(f"{run['config']} N={run['interval']}: {run['windows_aborted']} windows aborted")
+            res["rss_extra_vs_state"] = (run["rss_peak_bytes"] - base["rss_peak_bytes"]) / run["state_bytes"]
+            res["rss_peak_vs_state"] = run["rss_peak_bytes"] / run["state_bytes"]
+            if run.get("restore_step_ok") is False:
+                warnings.append(f"{run['config']} N={run['interval']}: restored step counter mismatch")
+            if res["checkpoints_measured"] == 0:
+                warnings.append(f"{run['config']} N={run['interval']}: no checkpoint in the measured steps")
+            results.append(res)
+        for run, res in zip(runs, results):
+            k3 = next((r for r in results if r["config"] == "overlap_k3" and r["interval"] == run["interval"]), None)
+            replay = k3["replay_gbps"] * 1e9 if k3 and k3.get("replay_gbps") else None
+            res["prediction"] = predict(run, res, base, raw["median_gibps"] * GIB, f, replay)
+        report = {
+            "benchmark": "run", "model": args.model, "num_params": base_run["num_params"],
+            "state_bytes": base_run["state_bytes"], "param_bytes": base_run["param_bytes"],
+            "batch_size": batch_size, "intervals": args.intervals, "steps": args.steps,
+            "backend": base_run["backend"], "device": base_run["device"], "platform": args.platform,
+            "overlappable_fraction": f, "restore_repeats": args.restore_repeats,
+            "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
+                        "python": platform.python_version(),
+                        "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},
+            "raw_write": raw, "baseline": base, "results": results, "warnings": warnings,
+            "wall_s": None, "raw_runs": {"none": base_run, **{f"{r['config']}_N{r['interval']}": r for r in runs}},
+        }
+        report["targets"] = targets(report)
+        report["wall_s"] = time.perf_counter() - started
+        with open(out_prefix + ".json", "w") as fh:
+            json.dump(report, fh, indent=1)
+        md = markdown(report)
+        with open(out_prefix + ".md", "w") as fh:
+            fh.write(md)
+        try:
+            from benchmarks.timeline import plot_timeline
+            pick = next((r for r in runs if r["config"] == "overlap_k3"), None) or \
+                next((r for r in runs if r["config"].startswith("overlap")), None)
+            if pick is not None:
+                plot_timeline(pick, out_prefix + "_timeline.png", base_median_s=base["median_step_s"])
+        except ImportError as e:
+            log(f"no timeline plot ({e}); pip install -e '.[bench]'")
+        print(md)
+        log(f"wrote {out_prefix}.json, {out_prefix}.md, {out_prefix}_timeline.png")
+        return report
+    finally:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+
+
+if __name__ == "__main__":
+    main()
