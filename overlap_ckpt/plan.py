@@ -134,6 +134,10 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     params_def, params_l = _layouts(params)
     state_def, state_l = _layouts(opt_state)
     extras_def, extras_l = _layouts(extras)
+    mesh_sharding = next((l.sharding for l in params_l if isinstance(l.sharding, jax.sharding.NamedSharding)), None)
+    if mesh_sharding is not None:
+        params_l, state_l, extras_l = ([_on_state_devices(l, mesh_sharding) for l in group]
+                                       for group in (params_l, state_l, extras_l))
     if not params_l:
         raise TreeMismatchError("params has no array leaves; there is nothing to checkpoint.")
     analysis = analyze_update(update, params, opt_state)
@@ -164,6 +168,17 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
                                 for s in slicing.slices))
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, next(iter(params_l[0].sharding.device_set)).platform)
+
+
+def _on_state_devices(layout: LeafLayout, state_sharding: jax.sharding.Sharding) -> LeafLayout:
+    """Small leaves (a step counter, an optimizer count, an RNG key) often live on one
+    device while the state is sharded over a mesh; inside the step they are captured
+    replicated on that mesh, since a jitted program cannot place outputs off its devices."""
+    if layout.sharding.device_set == state_sharding.device_set:
+        return layout
+    replicated = jax.sharding.NamedSharding(state_sharding.mesh, jax.sharding.PartitionSpec())
+    index = tuple(slice(0, n) for n in layout.shape)
+    return dataclasses.replace(layout, sharding=replicated, block_shape=layout.shape, blocks=(index,))
 
 
 def _fully_addressable(layout: LeafLayout) -> bool:

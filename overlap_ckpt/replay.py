@@ -76,6 +76,9 @@ def replicated_value(x: jax.Array) -> np.ndarray:
 
 def _store(layout: LeafLayout, blocks: dict[BlockKey, np.ndarray], captured: jax.Array, piece: Piece) -> None:
     """Copy a captured piece (pinned-host array) into the host blocks it belongs to."""
+    if piece.start == 0 and piece.stop == layout.rows and tuple(captured.shape) == layout.shape:
+        _store_whole(layout, blocks, captured)
+        return
     for shard in captured.addressable_shards:
         if shard.replica_id != 0:
             continue
@@ -85,6 +88,32 @@ def _store(layout: LeafLayout, blocks: dict[BlockKey, np.ndarray], captured: jax
         if layout.shape:
             dest = dest[piece.start:piece.stop]
         np.copyto(dest, np.asarray(shard.data), casting="no")
+
+
+def _store_whole(layout: LeafLayout, blocks: dict[BlockKey, np.ndarray], captured: jax.Array) -> None:
+    """Copy a whole captured leaf into the host blocks, by overlap of global indices.
+
+    The captured array may come back in another layout than planned: when a step returns
+    an input buffer unchanged, XLA propagates shardings through the pass-through and the
+    requested output sharding is not applied (a replicated Adam moment comes back sharded
+    like its parameter). Copying by overlap works for any layout; every block must end up
+    covered exactly once, or this process did not receive all it has to keep.
+    """
+    shards = [(block_key(normalize_index(s.index, captured.shape)), s.data)
+              for s in captured.addressable_shards if s.replica_id == 0]
+    for key, dest in blocks.items():
+        filled = 0
+        for src_key, data in shards:
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(key, src_key)]
+            if any(lo >= hi for lo, hi in overlap):
+                continue
+            dest[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, key))] = \
+                np.asarray(data)[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, src_key))]
+            filled += int(np.prod([hi - lo for lo, hi in overlap]))
+        if filled != dest.size:
+            raise WindowAborted(
+                f"captured leaf of shape {layout.shape} covers {filled} of the {dest.size} elements "
+                f"of host block {key}; its shards are not where this process expects them.")
 
 
 class WindowReplay:
@@ -247,7 +276,7 @@ class ReplayPrograms:
 
     def __init__(self, plan: CapturePlan):
         self.plan = plan
-        self.cpu = jax.devices("cpu")[0]
+        self.cpu = jax.local_devices(backend="cpu")[0]  # this process's (multi-process CPU jobs)
         n, m = len(plan.params), len(plan.state)
         flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
         tokens = input_tokens(n, m)

@@ -8,6 +8,7 @@ import sys
 import jax
 import jax.numpy as jnp
 import numpy as np
+import optax
 import pytest
 
 from overlap_ckpt import HostArray, MemorySink, OverlapEngine, capture_update
@@ -45,7 +46,8 @@ def toy_loss(params, x):
     return sum(jnp.sum(jnp.sin(v.astype(jnp.float32) * x) ** 2) for v in jax.tree.leaves(params))
 
 
-def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None):
+def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None,
+             shard_state=False):
     """Train ``steps`` steps with a donating jitted step that captures in-graph.
 
     Returns (engine, sink, references) where references[V] is a synchronous
@@ -55,7 +57,14 @@ def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves
         params = shard(params)
     opt_state = tx.init(params)
     if shard is not None:
+        # jit(tx.init) replicates the moments; shard_state=True lays them out like params.
         opt_state = jax.jit(tx.init)(params)
+        if shard_state:
+            mesh = jax.tree.leaves(params)[0].sharding.mesh
+            replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+            opt_state = optax.tree_utils.tree_map_params(
+                tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
+                transform_non_params=lambda s: jax.device_put(s, replicated))
     sink = MemorySink()
     engine = OverlapEngine(tx, sink, interval=interval, window=window, chunk_leaves=chunk_leaves)
     plan = engine.plan_for(params, opt_state, {"step": jnp.int32(0)})

@@ -52,3 +52,40 @@ def test_s3_round_trip_and_commit_marker(s3_spec):
         back, meta = store.restore()
         assert back["w"].tobytes() == (tree["w"] + 1).tobytes() and int(back["n"]) == 5
         assert store.verify().ok
+
+
+def test_s3_bad_bucket_fails_at_open_with_a_clear_error(s3_spec):
+    from overlap_ckpt.storage import CheckpointError
+    with pytest.raises(CheckpointError, match="Cannot open checkpoint storage .*credentials"):
+        CheckpointStore(dict(s3_spec, bucket="no-such-bucket"), max_request_retries=1)
+
+
+def test_s3_endpoint_lost_mid_training_fails_the_persist_not_training(s3_spec):
+    """The endpoint becomes unreachable after the store opened: save() still returns at
+    once, the persist fails after a few bounded retries, the error surfaces from
+    wait_until_finished (and would from the next save), and earlier steps are untouched."""
+    import socket
+    import time
+
+    tree = {"w": np.arange(64, dtype=np.float32)}
+    spec = dict(s3_spec, path="lost/")
+    with CheckpointStore(spec, max_request_retries=2) as store:
+        store.save(1, tree)
+        store.wait_until_finished()
+    with socket.socket() as s:  # a port nobody listens on
+        s.bind(("127.0.0.1", 0))
+        dead = f"http://127.0.0.1:{s.getsockname()[1]}"
+    from overlap_ckpt.storage.location import open_location
+    # Opened while reachable (read_only: no lock to release later); then the endpoint is lost.
+    store = CheckpointStore(spec, max_request_retries=2, read_only=True)
+    store.read_only = False
+    store.location = open_location(dict(spec, endpoint=dead), store._context)
+    start = time.perf_counter()
+    store.save(2, tree)
+    assert time.perf_counter() - start < 1.0  # training is not blocked
+    with pytest.raises(CheckpointWriteError, match="step 2 .*(connect|Could not)"):
+        store.wait_until_finished()
+    assert time.perf_counter() - start < 30
+    store.close()
+    with CheckpointStore(spec, read_only=True) as again:
+        assert again.all_steps() == [1]

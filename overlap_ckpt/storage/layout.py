@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 import re
 import time
 from typing import Any, Sequence
@@ -242,6 +243,11 @@ def zarr3_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[
     }
 
 
+#: No array of a checkpoint may claim more bytes than this (1 PiB): larger shapes come from
+#: crafted or corrupt metadata and are refused before any allocation.
+MAX_ARRAY_BYTES = 1 << 50
+
+
 # -- our manifest -----------------------------------------------------------------------------
 
 @dataclasses.dataclass
@@ -296,7 +302,14 @@ def _int_list(x: Any) -> bool:
 
 
 def check_zarr_spec(name: str, store: ts.TensorStore, record: ArrayRecord | None, what: str) -> None:
-    """Validate an opened array against the manifest (shape, dtype)."""
+    """Validate an opened array against the manifest (shape, dtype), and refuse absurd sizes
+    (crafted or corrupt metadata) before anything is allocated for it."""
+    nbytes = math.prod(int(n) for n in store.shape) * store.dtype.numpy_dtype.itemsize
+    if nbytes > MAX_ARRAY_BYTES:
+        raise InvalidMetadataError(
+            f"{what}: array {name!r} claims shape {tuple(store.shape)} {store.dtype.name} "
+            f"({nbytes} bytes, over the {MAX_ARRAY_BYTES}-byte sanity limit); its metadata is "
+            "corrupt or crafted. Restore another step.", path=what)
     if record is None:
         return
     if tuple(store.shape) != record.shape or store.dtype.numpy_dtype != record.dtype:

@@ -20,6 +20,9 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
+import math
+import os
 from typing import Any, Callable, Iterable
 
 import jax
@@ -162,6 +165,14 @@ def bounded(tasks: list, *, nbytes: Callable[[Any], int], issue: Callable[[Any],
                 pass
 
 
+@functools.lru_cache(maxsize=1)
+def _host_memory_bytes() -> int:
+    try:
+        return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    except (ValueError, OSError, AttributeError):  # pragma: no cover - non-POSIX
+        return 1 << 62
+
+
 def aligned_empty(shape: tuple[int, ...], dtype: np.dtype, align: int = 64) -> np.ndarray:
     """An uninitialized array whose data is ``align``-byte aligned: XLA's CPU client can then
     adopt it as a device buffer without a copy (``device_put(..., may_alias=True)``)."""
@@ -183,6 +194,13 @@ class PendingRead:
     def __init__(self, source: ts.TensorStore, dtype: np.dtype):
         if source.dtype.numpy_dtype != dtype:
             source = ts.cast(source, ts.dtype(dtype))
+        nbytes = math.prod(int(n) for n in source.shape) * np.dtype(dtype).itemsize
+        if nbytes > _host_memory_bytes():
+            raise InvalidMetadataError(
+                f"Refusing to allocate {nbytes} bytes for a read of shape {tuple(source.shape)} "
+                f"{np.dtype(dtype)}: more than this host's memory ({_host_memory_bytes()} bytes). "
+                "The array's metadata is corrupt or crafted, or the array must be restored onto "
+                "a sharded target so that each host reads only its part.")
         self.out = aligned_empty(tuple(source.shape), dtype)
         self._future = ts.array(self.out, copy=False, write=True).write(source) if self.out.size else None
 

@@ -119,6 +119,11 @@ class CheckpointStore:
       ocdbt_target_data_file_size: size at which OCDBT starts a new data file. ``None``
         (default) picks 1/64 of the checkpoint, clamped to [8 MiB, 256 MiB]: several data
         files are written and fsync'd in parallel, which overlaps checksumming with I/O.
+      max_request_retries: retries of a failed request to an object store (S3, GCS) before
+        the operation fails, with exponential backoff (0.5 s doubling to 8 s): a broken
+        endpoint or bucket fails a persist in seconds rather than TensorStore's default of
+        32 retries (many minutes); the error surfaces from the next ``save`` or
+        ``wait_until_finished``. No effect on local paths.
       coordinator: process topology (see :class:`Coordinator`). Default: a
         :class:`overlap_ckpt.distributed.JaxDistributedCoordinator` when ``jax.distributed``
         is initialized with more than one process, else single-process.
@@ -129,7 +134,7 @@ class CheckpointStore:
                  on_backpressure: Backpressure = "drop_oldest", item_name: str = layout.ITEM_NAME,
                  read_only: bool = False, chunk_bytes: int = 4 << 20,
                  max_inflight_bytes: int = 1 << 30, ocdbt_target_data_file_size: int | None = None,
-                 coordinator: Coordinator | None = None):
+                 coordinator: Coordinator | None = None, max_request_retries: int = 8):
         retention.validate(max_to_keep, keep_every_n_steps)
         if not isinstance(max_pending_host_copies, int) or max_pending_host_copies < 1:
             raise ValueError(f"max_pending_host_copies must be an int >= 1, got {max_pending_host_copies!r}")
@@ -146,12 +151,27 @@ class CheckpointStore:
         self.max_inflight_bytes = int(max_inflight_bytes)
         self.ocdbt_target_data_file_size = ocdbt_target_data_file_size
         self._coord: Coordinator = coordinator or _default_coordinator() or SingleProcess()
-        self._context = writer.make_context(root_context())
+        self._context = writer.make_context(root_context(), request_retries=max_request_retries)
         self.location: Location = open_location(directory, self._context)
         self._lock: DirectoryLock | None = None
-        if not read_only and self._coord.is_primary():
-            self._lock = DirectoryLock(self.location)
-            self._lock.acquire()
+        try:
+            if not read_only and self._coord.is_primary():
+                self._lock = DirectoryLock(self.location)
+                self._lock.acquire()
+            complete = commit.list_steps(self.location).complete
+        except CheckpointError:
+            raise
+        except Exception as e:  # noqa: BLE001 - unreachable endpoint, bad bucket or credentials
+            if self._lock is not None:
+                try:
+                    self._lock.release()
+                except Exception:  # noqa: BLE001
+                    pass
+            raise CheckpointError(
+                f"Cannot open checkpoint storage {self.location.url}: {e}. Check the bucket/path, "
+                "the endpoint and the credentials (for S3: AWS_ACCESS_KEY_ID, "
+                "AWS_SECRET_ACCESS_KEY, AWS_REGION or an instance role).",
+                path=self.location.url) from e
         self._cv = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._in_flight: _Pending | None = None
@@ -159,7 +179,7 @@ class CheckpointStore:
         self._closing = False
         self._closed = False
         self._worker: threading.Thread | None = None
-        self._complete = set(commit.list_steps(self.location).complete)
+        self._complete = set(complete)
         #: The most recent background error (reported or not); ``None`` if none happened.
         self.last_error: CheckpointError | None = None
         #: Steps dropped by the ``drop_oldest`` policy, in the order they were dropped.

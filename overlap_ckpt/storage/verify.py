@@ -110,9 +110,12 @@ def verify_step(location: Location, step: int, step_rel: str, item_name: str, co
             _localize(view, name, store, check)
 
     names = sorted(stores)
-    bounded(names, nbytes=lambda n: _nbytes(stores[n]),
-            issue=lambda n: PendingRead(stores[n], stores[n].dtype.numpy_dtype), finish=finish,
-            budget=budget)
+    try:
+        bounded(names, nbytes=lambda n: _nbytes(stores[n]),
+                issue=lambda n: PendingRead(stores[n], stores[n].dtype.numpy_dtype), finish=finish,
+                budget=budget)
+    except CheckpointError as e:  # e.g. an absurd shape refused before allocation
+        check.fail(e)
     return check
 
 

@@ -91,7 +91,8 @@ def write_item_metadata(location: Location, item_rel: str, step: int, leaves: Se
 
 
 def make_context(parent: ts.Context, *, file_io_concurrency: int = 128,
-                 data_copy_concurrency: int | None = None) -> ts.Context:
+                 data_copy_concurrency: int | None = None,
+                 request_retries: int | None = None) -> ts.Context:
     """A TensorStore context: I/O concurrency and an OCDBT B-tree cache.
 
     Reads use plain ``pread`` rather than ``file_io_mode: memmap``: memory-mapped reads were
@@ -103,6 +104,10 @@ def make_context(parent: ts.Context, *, file_io_concurrency: int = 128,
     }
     if data_copy_concurrency:
         spec["data_copy_concurrency"] = {"limit": data_copy_concurrency}
+    if request_retries is not None:  # object stores: fail in seconds, not after 32 retries
+        retries = {"max_retries": int(request_retries), "initial_delay": "0.5s", "max_delay": "8s"}
+        spec["s3_request_retries"] = retries
+        spec["gcs_request_retries"] = retries
     return ts.Context(spec, parent=parent)
 
 
