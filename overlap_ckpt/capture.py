@@ -144,22 +144,30 @@ def capture_update(plan: CapturePlan, phase: int | None, params, opt_state, grad
             plan, lambda *a: recorded_update(plan, *a), step, params, opt_state, grads)
     else:
         (new_params, new_state), cuts = isolated(plan, plan.update, step, params, opt_state, grads), []
-    params_leaves = jax.tree.leaves(params)
-    state_leaves = jax.tree.leaves(opt_state)
-    grads_leaves = jax.tree.leaves(grads)
+    outbox = capture_state(plan, phase, params, opt_state, extras)
+    if not last:
+        outbox["grads"], outbox["globals"] = capture_grads(plan, phase, grads, cuts)
+    return new_params, new_state, outbox
+
+
+def capture_state(plan: CapturePlan, phase: int, params, opt_state, extras: Any) -> Outbox:
+    """The state part of phase ``phase``'s outbox: slice ``phase`` of the (input) params and
+    the state leaves they own, the shared state leaves, and at the last phase the extras."""
+    params_leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
     outbox: Outbox = {"state": [], "shared": [], "grads": [], "globals": [], "extras": []}
     for piece in plan.slicing.slices[phase]:
         outbox["state"].append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece))
         for j in plan.analysis.owned_state(piece.leaf):
             outbox["state"].append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece)))
     outbox["shared"] = [to_host(state_leaves[j], plan.state[j]) for j in plan.analysis.shared_state]
-    if not last:
-        for piece in plan.slicing.pieces_upto(phase):
-            outbox["grads"].append(take_rows(grads_leaves[piece.leaf], plan.params[piece.leaf], piece))
-        host = scalar_host_sharding(plan)
-        outbox["globals"] = [jax.device_put(packed, host) for packed in pack_globals(cuts)]
-    else:
-        extras_leaves = jax.tree.leaves(extras)
-        outbox["extras"] = [to_host(x, layout) for x, layout in zip(extras_leaves, plan.extras)]
-    return new_params, new_state, outbox
+    if phase == plan.k - 1:
+        outbox["extras"] = [to_host(x, layout) for x, layout in zip(jax.tree.leaves(extras), plan.extras)]
+    return outbox
 
+
+def capture_grads(plan: CapturePlan, phase: int, grads, cuts: list) -> tuple[list, list]:
+    """The gradient pieces slices ``0..phase`` need, and the packed global scalars."""
+    grads_leaves = jax.tree.leaves(grads)
+    pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p) for p in plan.slicing.pieces_upto(phase)]
+    host = scalar_host_sharding(plan)
+    return pieces, [jax.device_put(packed, host) for packed in pack_globals(cuts)]

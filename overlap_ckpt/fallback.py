@@ -26,33 +26,19 @@ from typing import Any
 
 import jax
 
-from .capture import Outbox, pack_globals, recorded_update, scalar_host_sharding, take_rows, to_host
+from .capture import Outbox, capture_grads, capture_state, recorded_update
 from .plan import CapturePlan
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _before(plan: CapturePlan, phase: int, params, opt_state, extras) -> Outbox:
-    params_leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
-    outbox: Outbox = {"state": [], "shared": [], "grads": [], "globals": [], "extras": []}
-    for piece in plan.slicing.slices[phase]:
-        outbox["state"].append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece))
-        for j in plan.analysis.owned_state(piece.leaf):
-            outbox["state"].append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece)))
-    outbox["shared"] = [to_host(state_leaves[j], plan.state[j]) for j in plan.analysis.shared_state]
-    if phase == plan.k - 1:
-        outbox["extras"] = [to_host(x, l) for x, l in zip(jax.tree.leaves(extras), plan.extras)]
-    return outbox
+    return capture_state(plan, phase, params, opt_state, extras)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
 def _after(plan: CapturePlan, phase: int, grads, params, opt_state) -> tuple[list, list]:
-    grads_leaves = jax.tree.leaves(grads)
-    pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p) for p in plan.slicing.pieces_upto(phase)]
-    cuts: list = []
-    if plan.analysis.n_globals:
-        _, _, cuts = recorded_update(plan, params, opt_state, grads)
-    host = scalar_host_sharding(plan)
-    return pieces, [jax.device_put(g, host) for g in pack_globals(cuts)]
+    cuts = recorded_update(plan, params, opt_state, grads)[2] if plan.analysis.n_globals else []
+    return capture_grads(plan, phase, grads, cuts)
 
 
 def capture_before(plan: CapturePlan, phase: int, params, opt_state, extras: Any = None) -> Outbox:

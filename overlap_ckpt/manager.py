@@ -25,10 +25,9 @@ from typing import Any
 import jax
 import jax.numpy as jnp
 import numpy as np
-from flax.training import train_state as flax_train_state
 
 from .engine import OverlapEngine
-from .errors import ConfigError, TreeMismatchError
+from .errors import ConfigError
 from .hostarray import HostArray, HostShard, normalize_index
 from . import flax_linen
 

@@ -58,7 +58,7 @@ from orbax.checkpoint._src.futures import future as _ocp_future
 from .hostarray import HostArray
 from .storage import layout, writer
 from .storage.location import LocalLocation, open_location, root_context
-from .storage.tree import choose_chunk_shape, to_leaves
+from .storage.tree import to_leaves
 
 __all__ = ["OverlapSave", "OverlapCheckpointHandler", "HostCopySink", "overlap_handler_registry"]
 
@@ -267,24 +267,11 @@ def _refuse_device_arrays(tree: Any) -> None:
 
 
 def _prepare(tree: Any, chunk_bytes: int):
-    """Flatten and validate (no copy): Orbax-named leaves and the arrays to write."""
+    """Flatten and validate (no copy): the tree's leaves and the arrays to write, checked
+    by the storage writer so both doors refuse the same trees with the same messages."""
     _refuse_device_arrays(tree)
     leaves = to_leaves(tree)
-    arrays, names = [], set()
-    for leaf in leaves:
-        if not leaf.is_array:
-            continue
-        name = layout.validate_array_name(leaf.name, leaf.display)
-        if name in names:
-            raise ValueError(f"Leaf {leaf.display} maps to array name {name!r} like another leaf; "
-                             "rename one of the keys (names join keys with '.').")
-        names.add(name)
-        host = leaf.value
-        layout.zarr_dtype(host.dtype)  # TypeError for unsupported dtypes
-        chunk = choose_chunk_shape(host.shape, host.dtype.itemsize, [s.index for s in host.shards],
-                                   chunk_bytes)
-        arrays.append(writer.ArrayWrite(name, host, chunk))
-    return leaves, arrays
+    return leaves, writer.prepare_arrays(leaves, chunk_bytes)
 
 
 def write_host_tree(directory: epath.Path | str, tree: Any, *, step: int | None = None,

@@ -9,7 +9,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
-import pytest
 
 from overlap_ckpt import HostArray, MemorySink, OverlapEngine, capture_update
 

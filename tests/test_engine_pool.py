@@ -1,7 +1,6 @@
 """Host copies are reused across windows once the sink has persisted them."""
 
 import jax
-import numpy as np
 import optax
 
 import overlap_ckpt.engine as engine_module
