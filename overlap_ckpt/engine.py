@@ -19,6 +19,7 @@ from typing import Any, Callable, Protocol
 import optax
 
 from .errors import UnsupportedOptimizerError, WindowAborted
+from .storage.errors import CheckpointError
 from .jaxpr_interp import InterpretError
 from .plan import CapturePlan, make_plan
 from .replay import HostBuffers, ReplayPrograms, WindowReplay
@@ -107,6 +108,9 @@ class OverlapEngine:
         self.windows_aborted = 0
         self.replay_seconds = 0.0  # host time spent receiving and replaying phases
         self.replayed_bytes = 0  # state bytes advanced by replay, over completed windows
+        # Optional timeline hook (benchmarks): set to a list to get one
+        # (step, phase, start, end) tuple of time.perf_counter() per received phase.
+        self.spans: list | None = None
         self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
         self._worker.start()
 
@@ -183,11 +187,14 @@ class OverlapEngine:
                     continue  # joined mid-window (e.g. after a resume): wait for the next one
                 start = time.perf_counter()
                 window.receive(phase, outbox)
-                self.replay_seconds += time.perf_counter() - start
+                end = time.perf_counter()
+                self.replay_seconds += end - start
+                if self.spans is not None:
+                    self.spans.append((step, phase, start, end))
                 if window.complete:
                     params, opt_state, extras = window.result()
                     self.replayed_bytes += window.replayed_bytes
-                    self.sink.save(version, self.combine(params, opt_state, extras), metadata)
+                    self._save(version, self.combine(params, opt_state, extras), metadata)
                     self._pool.lend(version, window.buffers)
                     self.windows_completed += 1
                     window = None
@@ -197,6 +204,26 @@ class OverlapEngine:
                 log.exception("checkpoint window failed")
                 self._errors.append(e)
                 window = self._abort(window, repr(e))
+
+    def _save(self, version: int, tree: Any, metadata: dict | None) -> None:
+        """``sink.save``, not losing this checkpoint to an *earlier* step's failure.
+
+        A :class:`CheckpointStore` raises the unreported error of an earlier background
+        persist from the next ``save`` and does not queue that save. Here that error is
+        kept for the training thread (raised by :meth:`wait_until_finished`) and the save
+        of ``version`` is retried, so a failed write costs one checkpoint, not two.
+        """
+        for _ in range(64):  # bounded: each retry reports one distinct earlier error
+            try:
+                self.sink.save(version, tree, metadata)
+                return
+            except Exception as e:  # noqa: BLE001
+                earlier = getattr(e, "step", None)
+                if not isinstance(e, CheckpointError) or earlier is None or earlier == version:
+                    raise
+                log.error("checkpoint step %d failed earlier (%s); saving step %d anyway", earlier, e, version)
+                self._errors.append(e)
+        self.sink.save(version, tree, metadata)
 
     def _abort(self, window: WindowReplay | None, why: str) -> None:
         if window is not None:

@@ -14,6 +14,7 @@ import pytest
 from overlap_ckpt.errors import ConfigError
 from overlap_ckpt.flax_linen import TrainState
 from overlap_ckpt.manager import CheckpointManager
+from overlap_ckpt.storage import CheckpointStore
 
 
 def make_state():
@@ -44,8 +45,15 @@ def test_config_errors(tmp_path):
         CheckpointManager(tmp_path, save_interval_steps=4, window="big")
 
 
+def blocking_store(path, **kwargs):
+    """A store that waits for room instead of dropping saves: these tests check the
+    schedule and retention, which must not depend on how fast this machine persists."""
+    return CheckpointStore(path, on_backpressure="block", **kwargs)
+
+
 def test_schedule_auto_window_retention_and_queries(tmp_path):
-    with CheckpointManager(tmp_path, save_interval_steps=2, max_to_keep=2, window="auto") as mngr:
+    with CheckpointManager(save_interval_steps=2, window="auto",
+                           store=blocking_store(tmp_path, max_to_keep=2)) as mngr:
         state = mngr.prepare(make_state())
         assert mngr.engine.schedule.k == 1  # CPU backend
         assert [mngr.should_save(s) for s in range(5)] == [False, False, True, False, True]
@@ -59,7 +67,7 @@ def test_schedule_auto_window_retention_and_queries(tmp_path):
 
 
 def test_window_clamped_to_interval_and_final_save(tmp_path):
-    with CheckpointManager(tmp_path, save_interval_steps=2, window=5) as mngr:
+    with CheckpointManager(save_interval_steps=2, window=5, store=blocking_store(tmp_path)) as mngr:
         state = mngr.prepare(make_state())
         assert mngr.engine.schedule.k == 2
         state = run(mngr, state, 0, 5)        # windows of 2 and 4 complete

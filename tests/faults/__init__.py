@@ -1,0 +1,23 @@
+"""Reliability suite of overlap_ckpt: SIGKILL at every stage, injected I/O faults, corruption
+after the fact, crafted metadata, a memory soak and graceful shutdown on SIGTERM.
+
+``OUTCOMES`` collects one row per fault tried (filled by the tests, printed by
+``test_zz_report.py`` at the end of the suite).
+"""
+
+from __future__ import annotations
+
+import threading
+
+_lock = threading.Lock()
+#: fault -> {"count": runs, "lost": committed steps lost, "wrong": wrong states returned, "outcome": text}
+OUTCOMES: dict[str, dict] = {}
+
+
+def record(fault: str, *, lost: int = 0, wrong: int = 0, outcome: str = "ok") -> None:
+    with _lock:
+        row = OUTCOMES.setdefault(fault, {"count": 0, "lost": 0, "wrong": 0, "outcome": outcome})
+        row["count"] += 1
+        row["lost"] += lost
+        row["wrong"] += wrong
+        row["outcome"] = outcome
