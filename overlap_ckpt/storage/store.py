@@ -45,6 +45,10 @@ log = logging.getLogger(__name__)
 
 Backpressure = Literal["drop_oldest", "block"]
 
+# ``history`` and ``dropped_steps`` keep this many recent entries: a job that checkpoints
+# every few steps for weeks must not grow without bound.
+_KEEP_RECORDS = 1000
+
 
 class Coordinator(Protocol):
     """What the store needs to know about the job's processes (the multi-process seam).
@@ -228,6 +232,7 @@ class CheckpointStore:
             while self._held() > self.max_pending_host_copies:
                 dropped = self._queue.popleft()
                 self.dropped_steps.append(dropped.step)
+                del self.dropped_steps[:-_KEEP_RECORDS]
                 log.warning("Checkpoint step %d dropped before it started: %d host copies are "
                             "already held (max_pending_host_copies=%d) and storage is slower than "
                             "the save interval.", dropped.step, self._held() + 1,
@@ -435,6 +440,7 @@ class CheckpointStore:
                     log.exception("Removing the partial step %d failed; the next save retries.", p.step)
             self._report(err)
             return
+        del self.history[:-(_KEEP_RECORDS - 1)]
         self.history.append(PersistRecord(p.step, p.nbytes, (started_ns - p.created_ns) / 1e9,
                                           time.perf_counter() - start, start))
         if self._coord.is_primary():
@@ -462,13 +468,14 @@ class CheckpointStore:
             commit.delete_incomplete(loc, p.step)  # leftovers of an earlier crashed attempt
             loc.make_dir(item)
         coord.barrier(f"overlap_ckpt:{p.step}:created")
-        writer.write_process_shards(loc, item, coord.process_index, p.arrays, self._context,
+        context = writer.step_context(self._context)
+        writer.write_process_shards(loc, item, coord.process_index, p.arrays, context,
                                     step=p.step, batch_bytes=self.max_inflight_bytes,
                                     target_data_file_size=self._data_file_size(p.nbytes))
         hooks.fire("data_written", step=p.step)
         coord.barrier(f"overlap_ckpt:{p.step}:data")
         if coord.is_primary():
-            writer.merge_into_root(loc, item, self._context)
+            writer.merge_into_root(loc, item, context)
             writer.write_item_metadata(loc, item, p.step, p.leaves, p.arrays, coord.process_count)
             loc.write_bytes(f"{work}/{layout.STEP_METADATA}",
                             layout.dumps(layout.step_metadata(p.metadata, p.created_ns, self.item_name)))

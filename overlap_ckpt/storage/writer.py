@@ -90,6 +90,17 @@ def write_item_metadata(location: Location, item_rel: str, step: int, leaves: Se
                          layout.dumps(layout.manifest(step, records, process_count)))
 
 
+_OCDBT_CACHE = {"total_bytes_limit": 100_000_000}
+
+
+def step_context(shared: ts.Context) -> ts.Context:
+    """A child context for writing one step: shares I/O concurrency limits, but has its own
+    OCDBT B-tree cache. Every step is a new OCDBT database, so a cache shared across steps
+    only accumulates nodes nobody reads again (host memory growing checkpoint after
+    checkpoint, up to the pool's limit); this one is released with the step."""
+    return ts.Context({"cache_pool#ocdbt": _OCDBT_CACHE}, parent=shared)
+
+
 def make_context(parent: ts.Context, *, file_io_concurrency: int = 128,
                  data_copy_concurrency: int | None = None,
                  request_retries: int | None = None) -> ts.Context:
@@ -100,7 +111,7 @@ def make_context(parent: ts.Context, *, file_io_concurrency: int = 128,
     and a restore after a failure usually reads from disk."""
     spec: dict[str, Any] = {
         "file_io_concurrency": {"limit": file_io_concurrency},
-        "cache_pool#ocdbt": {"total_bytes_limit": 100_000_000},
+        "cache_pool#ocdbt": _OCDBT_CACHE,
     }
     if data_copy_concurrency:
         spec["data_copy_concurrency"] = {"limit": data_copy_concurrency}
