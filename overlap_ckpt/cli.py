@@ -302,7 +302,6 @@ def cmd_demo(args) -> int:
              "until SIGKILL mid-window")
     w = _Worker(["--mode", "overlap", "--dir", path, "--handshake", *common], env, handshake=True)
     run1, commits, killed = [], [], None
-    n_before = 0
     for e in w.events():
         if e["ev"] == "step":
             run1.append(e)

@@ -95,7 +95,6 @@ class OverlapEngine:
                  chunk_leaves: bool | None = None, combine: Combine = default_combine):
         self.tx = tx
         self.sink = sink
-        self.requested_window = window
         self.schedule = WindowSchedule.clamped(interval, window)
         self.chunk_leaves = chunk_leaves
         self.combine = combine
@@ -117,6 +116,12 @@ class OverlapEngine:
     # -- training thread ----------------------------------------------------------------
     def phase(self, step: int) -> int | None:
         return self.schedule.phase(step)
+
+    def set_window(self, window: int) -> None:
+        """Use windows of ``window`` steps from the next window on (e.g. once auto-K has
+        measured the step); the next :meth:`plan_for` re-plans for it."""
+        self.schedule = WindowSchedule.clamped(self.schedule.interval, window)
+        self.plan = None
 
     def plan_for(self, params, opt_state, extras=None) -> CapturePlan:
         """The plan for this state, re-planned when its structure, shapes or dtypes changed."""
@@ -217,9 +222,9 @@ class OverlapEngine:
             try:
                 self.sink.save(version, tree, metadata)
                 return
-            except Exception as e:  # noqa: BLE001
+            except CheckpointError as e:
                 earlier = getattr(e, "step", None)
-                if not isinstance(e, CheckpointError) or earlier is None or earlier == version:
+                if earlier is None or earlier == version:
                     raise
                 log.error("checkpoint step %d failed earlier (%s); saving step %d anyway", earlier, e, version)
                 self._errors.append(e)

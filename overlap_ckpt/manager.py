@@ -410,10 +410,7 @@ class CheckpointManager:
         self._auto = None
         log.info("window='auto': step %.4fs, K=%d", step_time, k)
         if k != self.engine.schedule.k:
-            from .schedule import WindowSchedule
-            self.engine.requested_window = k
-            self.engine.schedule = WindowSchedule.clamped(self.save_interval_steps, k)
-            self.engine.plan = None
+            self.engine.set_window(k)
             self._plan = None
 
     def _attach(self, state: Any, step: int) -> Any:

@@ -95,3 +95,15 @@ def test_tree_change_mid_window_discards_the_window_and_replans():
     assert new_plan is not plan and len(new_plan.params) == 2
     engine.wait_until_finished()
     engine.close()
+
+
+def test_set_window_replans_and_clamps():
+    tx = optax.adam(1e-2)
+    engine = OverlapEngine(tx, MemorySink(), interval=4, window=1)
+    params = make_params([(12, 3), (3,)])
+    assert engine.plan_for(params, tx.init(params)).k == 1
+    engine.set_window(3)  # what auto-K does once it has measured the step
+    assert engine.schedule.k == 3 and engine.plan_for(params, tx.init(params)).k == 3
+    engine.set_window(9)
+    assert engine.schedule.k == 4  # clamped to the save interval
+    engine.close()
