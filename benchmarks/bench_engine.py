@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import optax
 
 from overlap_ckpt import MemorySink, OverlapEngine, capture_update
+from overlap_ckpt.core.capture import WindowTicket
 
 
 def make_state(n_params: float, width: int):
@@ -44,30 +45,31 @@ def run(params, tx, *, window: int | None, interval: int, steps: int, batch: int
     engine = OverlapEngine(tx, MemorySink(), interval=interval, window=window or 1)
     plan = engine.plan_for(params, opt_state, {"step": jnp.int32(0)})
 
-    @functools.partial(jax.jit, static_argnums=(0, 1), donate_argnums=(2, 3))
-    def step(plan, phase, params, opt_state, x, t):
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def step(ticket, params, opt_state, x, t):
         grads = jax.grad(loss_fn)(params, x)
-        return capture_update(plan, phase, params, opt_state, grads, {"step": t}, step=t)
+        return capture_update(tx, ticket, params, opt_state, grads, {"step": t}, step=t)
 
     x = jax.random.normal(jax.random.PRNGKey(1), (batch, width))
     # Compile every phase variant before timing.
     for phase in [None, *range(plan.k)] if window else [None]:
-        p2, s2, _ = step(plan, phase, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state), x, jnp.int32(0))
+        ticket = None if phase is None else WindowTicket(plan, phase)
+        step(ticket, jax.tree.map(jnp.copy, params), jax.tree.map(jnp.copy, opt_state), x, jnp.int32(0))
     times, in_window = [], []
     warmup = interval + 1 if window else 0  # one whole window compiles the host replay programs
     for t in range(warmup + steps):
-        phase = engine.phase(t) if window else None
+        ticket = engine.ticket(t) if window else None
         start = time.perf_counter()
-        params, opt_state, outbox = step(plan, phase, params, opt_state, x, jnp.int32(t))
+        params, opt_state, outbox = step(ticket, params, opt_state, x, jnp.int32(t))
         jax.block_until_ready(params)
-        if phase is not None:
-            engine.submit(t, phase, outbox)
+        if outbox is not None:
+            engine.submit(t, outbox)
         if t == warmup - 1:
             engine.wait_until_finished()
             engine.replay_seconds, engine.replayed_bytes, engine.windows_completed = 0.0, 0, 0
         if t >= warmup:
             times.append(time.perf_counter() - start)
-            in_window.append(phase is not None)
+            in_window.append(ticket is not None)
     engine.wait_until_finished()
     engine.close()
     return engine, plan, times, in_window

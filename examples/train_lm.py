@@ -19,7 +19,7 @@ import jax  # noqa: E402
 import optax  # noqa: E402
 
 import overlap_ckpt as oc  # noqa: E402
-from overlap_ckpt.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn  # noqa: E402
+from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn  # noqa: E402
 
 
 def main() -> None:
@@ -44,6 +44,8 @@ def main() -> None:
         else:
             state = mngr.prepare(state)
         start = int(state.step)
+        # The K window variants of the step compile in the background while plain steps run.
+        mngr.compile_ahead(train_step, state, jax.device_put(data.batch(start), batch_sharding))
         for step in range(start, args.steps):
             batch = jax.device_put(data.batch(step), batch_sharding)
             state, loss = train_step(state, batch)

@@ -18,7 +18,7 @@ import optax  # noqa: E402
 from flax import nnx  # noqa: E402
 
 import overlap_ckpt as oc  # noqa: E402
-from overlap_ckpt.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn  # noqa: E402
+from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn  # noqa: E402
 
 
 @nnx.jit(donate_argnums=(0, 1))  # the model before the optimizer (see docs/nnx.md)

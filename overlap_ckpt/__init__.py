@@ -3,30 +3,37 @@
 The train state is captured in K slices over K steps inside the jitted step, the optimizer
 is replayed on the host so every slice reaches the same version, and the result is
 persisted in the background in a layout stock Orbax can read.
+
+Layout of the package (the data path runs top to bottom):
+
+* :mod:`overlap_ckpt.doors` — how a training loop style reaches the engine (Flax Linen
+  ``TrainState``, NNX ``Optimizer``, your own Orbax ``CheckpointManager``);
+* :mod:`overlap_ckpt.manager` — the Orbax-like front door over a door, the engine and a store;
+* :mod:`overlap_ckpt.core` — framework-free algorithm: plan, capture, host replay, engine;
+* :mod:`overlap_ckpt.storage` — persist, commit, restore, verify (Orbax's on-disk layout);
+* :mod:`overlap_ckpt.tools` — the ``overlap-ckpt`` command, the demo and its models.
 """
 
-from .capture import capture_update
-from .engine import MemorySink, OverlapEngine
+from .core.capture import capture_update
+from .core.engine import MemorySink, OverlapEngine
 from .errors import (ConfigError, OverlapCkptError, TreeMismatchError, UnsupportedOptimizerError,
                      WindowAborted)
 from .hostarray import HostArray, HostShard
-from .plan import CapturePlan, make_plan
-from .schedule import WindowSchedule
-from .flax_linen import TrainState
+from .doors.linen import TrainState
 from .manager import CheckpointManager
-from . import nnx_optimizer as nnx
+from .doors import nnx
 
 __all__ = [
     "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "OverlapCkptError",
     "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
-    "CapturePlan", "make_plan", "WindowSchedule", "TrainState", "CheckpointManager", "nnx",
+    "TrainState", "CheckpointManager", "nnx",
 ]
 __version__ = "0.1.0"
 
 # The Orbax door and the storage layer import orbax/tensorstore (~0.6 s): loaded on first use.
-_LAZY = {"HostCopySink": "orbax_handler", "OverlapCheckpointHandler": "orbax_handler",
-         "OverlapSave": "orbax_handler", "overlap_handler_registry": "orbax_handler",
-         "orbax_handler": None, "storage": None}
+_LAZY = {"HostCopySink": "doors.orbax", "OverlapCheckpointHandler": "doors.orbax",
+         "OverlapSave": "doors.orbax", "overlap_handler_registry": "doors.orbax",
+         "storage": None}
 __all__ += list(_LAZY)
 
 

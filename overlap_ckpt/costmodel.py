@@ -7,7 +7,7 @@ not hide under one step) or needless traffic and host work (K too large: every e
 step of the window re-ships gradient slices). The functions here are pure, cheap and
 deterministic, so a trainer can call :func:`choose_k` once at start-up (with a
 measured bandwidth from :func:`measure_d2h_bandwidth`) and a planner can compare
-strategies before buying hardware (:func:`simulate`).
+strategies before buying hardware (:mod:`overlap_ckpt.tools.simulate`).
 
 Strategies modelled (stall = training time lost per checkpoint):
 
@@ -53,7 +53,7 @@ import math
 import statistics
 import time
 from fractions import Fraction
-from typing import Any, Iterable, Literal, Sequence
+from typing import Any, Literal
 
 import numpy as np
 
@@ -66,7 +66,7 @@ GB = 1e9  # decimal gigabyte: bandwidths in GB/s below are 1e9 bytes per second
 # --------------------------------------------------------------------------- validation
 
 
-def _check_number(name: str, value: Any, *, positive: bool = False,
+def check_number(name: str, value: Any, *, positive: bool = False,
                   nonnegative: bool = False) -> float:
     """Reject non-numbers, bools, NaN and infinities with a message naming the field."""
     if isinstance(value, bool) or not isinstance(value, (int, float, np.integer, np.floating)):
@@ -81,7 +81,7 @@ def _check_number(name: str, value: Any, *, positive: bool = False,
     return value
 
 
-def _check_int(name: str, value: Any, *, minimum: int = 1) -> int:
+def check_int(name: str, value: Any, *, minimum: int = 1) -> int:
     """Window sizes and intervals are counts of steps: whole numbers, at least ``minimum``."""
     if isinstance(value, bool) or not isinstance(value, (int, np.integer)):
         raise ValueError(f"{name} must be an integer, got {value!r}")
@@ -134,19 +134,19 @@ class TrainingProfile:
     replay_bytes_per_s: float | None = None
 
     def __post_init__(self) -> None:
-        _check_number("step_time_s", self.step_time_s, positive=True)
-        _check_number("d2h_bytes_per_s", self.d2h_bytes_per_s, positive=True)
-        _check_number("state_bytes", self.state_bytes, positive=True)
-        _check_number("grad_bytes", self.grad_bytes, nonnegative=True)
-        _check_number("persist_bytes_per_s", self.persist_bytes_per_s, positive=True)
-        f = _check_number("overlappable_fraction", self.overlappable_fraction,
+        check_number("step_time_s", self.step_time_s, positive=True)
+        check_number("d2h_bytes_per_s", self.d2h_bytes_per_s, positive=True)
+        check_number("state_bytes", self.state_bytes, positive=True)
+        check_number("grad_bytes", self.grad_bytes, nonnegative=True)
+        check_number("persist_bytes_per_s", self.persist_bytes_per_s, positive=True)
+        f = check_number("overlappable_fraction", self.overlappable_fraction,
                           nonnegative=True)
         if f > 1:
             raise ValueError(
                 f"overlappable_fraction is a fraction of the step time and must be in "
                 f"[0, 1], got {f!r}")
         if self.replay_bytes_per_s is not None:
-            _check_number("replay_bytes_per_s", self.replay_bytes_per_s, positive=True)
+            check_number("replay_bytes_per_s", self.replay_bytes_per_s, positive=True)
 
     @property
     def overlap_s(self) -> float:
@@ -204,9 +204,9 @@ def window_transfer_bytes(state_bytes: float, grad_bytes: float, k: int) -> list
     once the backward pass has produced it, so its real hiding window is shorter than
     ``f*T``; lower ``overlappable_fraction`` if measured stalls exceed predictions.
     """
-    k = _check_int("k", k)
-    state_bytes = _check_number("state_bytes", state_bytes, nonnegative=True)
-    grad_bytes = _check_number("grad_bytes", grad_bytes, nonnegative=True)
+    k = check_int("k", k)
+    state_bytes = check_number("state_bytes", state_bytes, nonnegative=True)
+    grad_bytes = check_number("grad_bytes", grad_bytes, nonnegative=True)
     return [state_bytes / k + j * grad_bytes / k for j in range(k)]
 
 
@@ -243,7 +243,7 @@ def predict_stall_s(profile: TrainingProfile, strategy: Strategy, k: int = 1) ->
     ``max(0, S/bw - f*T)``. ``k`` is ignored by the other strategies.
     """
     strategy = _check_strategy(strategy)
-    k = _check_int("k", k)
+    k = check_int("k", k)
     if strategy == "sync":
         return profile.full_copy_s + profile.persist_s
     if strategy == "async":
@@ -281,7 +281,7 @@ def predict_background_s(profile: TrainingProfile, strategy: Strategy, k: int = 
     ``S(K-1) / (2 * replay_bw)`` (0 when ``replay_bytes_per_s`` is None).
     """
     strategy = _check_strategy(strategy)
-    k = _check_int("k", k)
+    k = check_int("k", k)
     if strategy == "sync":
         return 0.0
     if strategy == "async":
@@ -329,8 +329,8 @@ def estimate(profile: TrainingProfile, strategy: Strategy, k: int,
     windows would overlap, and the state would be in two checkpoints' windows at once.
     """
     strategy = _check_strategy(strategy)
-    k = _check_int("k", k)
-    n = _check_int("interval_steps", interval_steps)
+    k = check_int("k", k)
+    n = check_int("interval_steps", interval_steps)
     if strategy == "overlap" and k > n:
         raise ValueError(
             f"window size k={k} exceeds the checkpoint interval of {n} steps: a K-step "
@@ -373,10 +373,10 @@ def choose_k(profile: TrainingProfile, max_k: int = 16, interval_steps: int | No
     bytes), the growing gradient stream eventually makes the stall rise with K, so the
     minimiser lies inside the range rather than at ``max_k``.
     """
-    max_k = _check_int("max_k", max_k)
-    rel_tol = _check_number("rel_tol", rel_tol, nonnegative=True)
+    max_k = check_int("max_k", max_k)
+    rel_tol = check_number("rel_tol", rel_tol, nonnegative=True)
     if interval_steps is not None:
-        interval_steps = _check_int("interval_steps", interval_steps)
+        interval_steps = check_int("interval_steps", interval_steps)
         max_k = min(max_k, interval_steps)
     if profile.state_bytes <= profile.transfer_budget_bytes:
         return 1
@@ -417,8 +417,8 @@ def measure_d2h_bandwidth(device: Any = None, nbytes: int = 64 << 20,
     import jax
     from jax.sharding import SingleDeviceSharding
 
-    nbytes = _check_int("nbytes", nbytes)
-    repeats = _check_int("repeats", repeats)
+    nbytes = check_int("nbytes", nbytes)
+    repeats = check_int("repeats", repeats)
     if device is None:
         device = jax.local_devices()[0]
     try:
@@ -456,153 +456,3 @@ def measure_d2h_bandwidth(device: Any = None, nbytes: int = 64 << 20,
         del x
     elapsed = max(statistics.median(seconds), 1e-9)
     return nbytes / elapsed
-
-
-# --------------------------------------------------------------------------- planning
-
-
-@dataclasses.dataclass(frozen=True)
-class HardwarePreset:
-    """Assumed link speeds for planning; replace them with measured numbers.
-
-    ``d2h_bytes_per_s`` is per accelerator (each has its own PCIe link);
-    ``persist_bytes_per_s`` is per node and shared by ``accelerators_per_node``.
-    """
-
-    d2h_bytes_per_s: float
-    persist_bytes_per_s: float
-    accelerators_per_node: int
-    note: str
-
-
-HARDWARE_PRESETS: dict[str, HardwarePreset] = {
-    "h100-pcie5": HardwarePreset(
-        50 * GB, 5 * GB, 8,
-        "H100, PCIe Gen5 x16 (64 GB/s raw) at ~50 GB/s effective pinned D2H; one NVMe "
-        "volume at ~5 GB/s per node. Assumptions: override with measured values."),
-    "a100-pcie4": HardwarePreset(
-        25 * GB, 5 * GB, 8,
-        "A100, PCIe Gen4 x16 (32 GB/s raw) at ~25 GB/s effective pinned D2H; one NVMe "
-        "volume at ~5 GB/s per node. Assumptions: override with measured values."),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class SimulationRow:
-    """One strategy's prediction for one model/cluster size.
-
-    ``k``, ``stall_s``, ``queue_wait_s`` and ``ettr`` are aligned with ``intervals``:
-    auto-K may pick a different K for each checkpoint interval (K <= interval, and a
-    short interval leaves less time for background work).
-    """
-
-    model_params: float
-    n_accelerators: int
-    state_bytes: float
-    grad_bytes: float
-    strategy: str
-    label: str
-    intervals: tuple[int, ...]
-    k: tuple[int, ...]
-    stall_s: tuple[float, ...]
-    queue_wait_s: tuple[float, ...]
-    ettr: tuple[float, ...]
-
-    def ettr_at(self, interval_steps: int) -> float:
-        return self.ettr[self.intervals.index(interval_steps)]
-
-
-def simulate(model_params: float, n_accelerators: int, *, step_time_s: float,
-             hardware: str = "h100-pcie5", d2h_gbps: float | None = None,
-             persist_gbps: float | None = None, accelerators_per_node: int | None = None,
-             overlappable_fraction: float = 0.9, state_bytes_per_param: float = 16.0,
-             grad_bytes_per_param: float = 2.0, replay_gbps: float | None = None,
-             intervals: Sequence[int] = (10, 50), max_k: int = 16) -> list[SimulationRow]:
-    """Predict stall and ETTR of sync, async, K=1 overlap and auto-K for a model size.
-
-    State and gradient are sharded FSDP/ZeRO-style over ``n_accelerators``, so each
-    accelerator copies ``model_params * bytes_per_param / n``. Defaults: 16 B/param of
-    state (bf16 params + fp32 master + fp32 Adam m, v; use 12-14 for other layouts) and
-    2 B/param of bf16 gradient. Link speeds come from ``HARDWARE_PRESETS[hardware]``
-    unless given explicitly in GB/s (1e9 B/s); the node's persist bandwidth is split
-    between the ``min(n, accelerators_per_node)`` accelerators writing on it.
-    ``replay_gbps`` is the host replay throughput per accelerator (None: not modelled).
-    """
-    if hardware not in HARDWARE_PRESETS:
-        raise ValueError(f"unknown hardware preset {hardware!r}; known: "
-                         f"{sorted(HARDWARE_PRESETS)} (or pass d2h_gbps/persist_gbps)")
-    preset = HARDWARE_PRESETS[hardware]
-    model_params = _check_number("model_params", model_params, positive=True)
-    n = _check_int("n_accelerators", n_accelerators)
-    per_node = _check_int("accelerators_per_node",
-                          preset.accelerators_per_node if accelerators_per_node is None
-                          else accelerators_per_node)
-    d2h = (preset.d2h_bytes_per_s if d2h_gbps is None
-           else _check_number("d2h_gbps", d2h_gbps, positive=True) * GB)
-    persist_node = (preset.persist_bytes_per_s if persist_gbps is None
-                    else _check_number("persist_gbps", persist_gbps, positive=True) * GB)
-    replay = (None if replay_gbps is None
-              else _check_number("replay_gbps", replay_gbps, positive=True) * GB)
-    intervals = tuple(_check_int("interval", i) for i in intervals)
-    if not intervals:
-        raise ValueError("intervals must name at least one checkpoint interval")
-    state = model_params * _check_number("state_bytes_per_param", state_bytes_per_param,
-                                         positive=True) / n
-    grad = model_params * _check_number("grad_bytes_per_param", grad_bytes_per_param,
-                                        nonnegative=True) / n
-    profile = TrainingProfile(
-        step_time_s=step_time_s, d2h_bytes_per_s=d2h, state_bytes=state, grad_bytes=grad,
-        persist_bytes_per_s=persist_node / min(n, per_node),
-        overlappable_fraction=overlappable_fraction, replay_bytes_per_s=replay)
-
-    def row(strategy: str, label: str, ks: Iterable[int]) -> SimulationRow:
-        ests = [estimate(profile, strategy, k, i) for k, i in zip(ks, intervals)]
-        return SimulationRow(
-            model_params, n, state, grad, strategy, label, intervals,
-            tuple(e.k for e in ests), tuple(e.stall_s for e in ests),
-            tuple(e.queue_wait_s for e in ests), tuple(e.ettr for e in ests))
-
-    ones = [1] * len(intervals)
-    return [
-        row("sync", "sync save", ones),
-        row("async", "async snapshot", ones),
-        row("overlap", "overlap K=1", ones),
-        row("overlap", "overlap auto-K",
-            [choose_k(profile, max_k=max_k, interval_steps=i) for i in intervals]),
-    ]
-
-
-def _fmt_params(p: float) -> str:
-    for scale, suffix in ((1e12, "T"), (1e9, "B"), (1e6, "M")):
-        if p >= scale:
-            return f"{p / scale:g}{suffix}"
-    return f"{p:g}"
-
-
-def _fmt_per_interval(values: Sequence[Any], fmt: str) -> str:
-    """One value when all intervals agree, else ``a / b`` in interval order."""
-    texts = [format(v, fmt) for v in values]
-    return texts[0] if len(set(texts)) == 1 else " / ".join(texts)
-
-
-def format_simulation_table(rows: Sequence[SimulationRow]) -> str:
-    """Markdown table of :func:`simulate` rows (rows may come from several calls)."""
-    if not rows:
-        return ""
-    intervals = rows[0].intervals
-    if any(r.intervals != intervals for r in rows):
-        raise ValueError("all rows must share the same checkpoint intervals")
-    iv = " / ".join(str(i) for i in intervals)
-    header = (["model", "accel.", "state/accel. (GB)", "strategy", f"K (N={iv})",
-               f"stall/ckpt s (N={iv})", f"queue wait s (N={iv})"]
-              + [f"ETTR @{i}" for i in intervals])
-    lines = ["| " + " | ".join(header) + " |",
-             "|" + "|".join(["---"] * 4 + ["--:"] * (len(header) - 4)) + "|"]
-    for r in rows:
-        cells = [_fmt_params(r.model_params), str(r.n_accelerators),
-                 f"{r.state_bytes / GB:.2f}", r.label,
-                 "-" if r.strategy != "overlap" else _fmt_per_interval(r.k, "d"),
-                 _fmt_per_interval(r.stall_s, ".3f"),
-                 _fmt_per_interval(r.queue_wait_s, ".3f")] + [f"{e:.4f}" for e in r.ettr]
-        lines.append("| " + " | ".join(cells) + " |")
-    return "\n".join(lines)

@@ -19,3 +19,19 @@ class WindowAborted(OverlapCkptError):
 
 class ConfigError(OverlapCkptError, ValueError):
     """An option is out of range or inconsistent with another one."""
+
+
+class CheckpointError(OverlapCkptError):
+    """A checkpoint could not be written or read. ``step`` and ``path`` name where, when known.
+
+    The storage layer raises subclasses, one per fault (:mod:`overlap_ckpt.storage.errors`);
+    :class:`overlap_ckpt.CheckpointManager` raises this class itself for failed background
+    checkpoints, with every failure in ``failures`` and the first cause chained.
+    """
+
+    def __init__(self, message: str, *, step: int | None = None, path: str | None = None,
+                 failures: tuple = ()):
+        super().__init__(message)
+        self.step = step
+        self.path = path
+        self.failures = failures

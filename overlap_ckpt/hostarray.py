@@ -10,11 +10,12 @@ array is simply a :class:`HostArray` with one shard covering everything.
 from __future__ import annotations
 
 import dataclasses
-from typing import Sequence
+from typing import Any, Iterator, Sequence
 
 import numpy as np
 
 Index = tuple[slice, ...]
+IndexKey = tuple[tuple[int, int], ...]  # an Index as (start, stop) pairs: hashable before 3.12
 
 
 def full_index(shape: Sequence[int]) -> Index:
@@ -27,6 +28,45 @@ def normalize_index(index: Sequence[slice], shape: Sequence[int]) -> Index:
     bounds, so indices compare and hash by value. Strided indices never occur for shards."""
     index = tuple(index) + (slice(None),) * (len(shape) - len(index))
     return tuple(slice(*s.indices(n)[:2]) for s, n in zip(index, shape))
+
+
+def index_key(index: Sequence[slice]) -> IndexKey:
+    """A normalized index as a hashable value (slices are unhashable before Python 3.12)."""
+    return tuple((s.start, s.stop) for s in index)
+
+
+def index_from_key(key: IndexKey) -> Index:
+    return tuple(slice(a, b) for a, b in key)
+
+
+def extent(index: Sequence[slice]) -> tuple[int, ...]:
+    """The shape of the block an index selects."""
+    return tuple(s.stop - s.start for s in index)
+
+
+def covers(shape: Sequence[int], indices: Sequence[Sequence[slice]]) -> bool:
+    """True when distinct blocks at ``indices`` tile an array of ``shape`` (single process)."""
+    covered = sum(int(np.prod(extent(index))) for index in indices)
+    return covered == int(np.prod(shape))
+
+
+def is_prng_key(x: Any) -> bool:
+    """True for a typed PRNG key array (``jax.random.key``), whose dtype numpy cannot hold."""
+    import jax
+    return isinstance(x, jax.Array) and jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key)
+
+
+def local_blocks(x: Any) -> Iterator[tuple[Index, Any]]:
+    """``(global index, device data)`` of each distinct block of ``x`` this process holds:
+    replica 0 of every shard, so a replicated array yields one block, not one per device."""
+    seen: set[IndexKey] = set()
+    for shard in x.addressable_shards:
+        index = normalize_index(shard.index, x.shape)
+        key = index_key(index)
+        if shard.replica_id != 0 or key in seen:
+            continue
+        seen.add(key)
+        yield index, shard.data
 
 
 @dataclasses.dataclass
@@ -58,6 +98,21 @@ class HostArray:
         array = np.asarray(array)
         return cls(tuple(array.shape), array.dtype, [HostShard(full_index(array.shape), array)])
 
+    @classmethod
+    def from_jax(cls, x: Any, *, copy: bool, where: str = "leaf") -> "HostArray":
+        """This process's blocks of the jax.Array ``x`` in host memory.
+
+        ``copy=True`` gives buffers that own their memory, for arrays a later step may
+        donate; ``copy=False`` views host-resident data where numpy can (CPU and pinned-host
+        arrays). Typed PRNG keys are refused: numpy has no dtype for them.
+        """
+        if is_prng_key(x):
+            raise TypeError(f"{where}: a typed PRNG key array cannot be stored as is; store "
+                            "jax.random.key_data(key) and wrap it again after restore.")
+        shards = [HostShard(index, np.array(data, copy=True) if copy else np.asarray(data))
+                  for index, data in local_blocks(x)]
+        return cls(tuple(x.shape), np.dtype(x.dtype), shards)
+
     @property
     def nbytes(self) -> int:
         return sum(s.nbytes for s in self.shards)
@@ -65,8 +120,7 @@ class HostArray:
     @property
     def is_fully_addressable(self) -> bool:
         """True when the shards tile the whole array (single process)."""
-        covered = sum(int(np.prod([s.stop - s.start for s in sh.index])) for sh in self.shards)
-        return covered == int(np.prod(self.shape))
+        return covers(self.shape, [s.index for s in self.shards])
 
     def to_numpy(self) -> np.ndarray:
         """Assemble the global array; only valid when this process holds all of it."""

@@ -1,105 +1,58 @@
-"""``CheckpointManager``: Orbax-like front door of overlapped checkpointing.
+"""``CheckpointManager``: the Orbax-like front door of overlapped checkpointing.
 
-One object owns the storage (:class:`overlap_ckpt.storage.CheckpointStore`) and the
-overlap engine (:class:`overlap_ckpt.engine.OverlapEngine`). The training loop calls
-:meth:`CheckpointManager.step` once per step, after its jitted train step; the manager
-hands the step's captured outbox to the engine, and attaches the plan and window phase of
-the *next* step to the state. It never waits on the device: the step number is read once
-(:meth:`prepare`) and counted on the host afterwards.
+One object owns the storage (:class:`overlap_ckpt.storage.CheckpointStore`), the overlap
+engine (:class:`overlap_ckpt.core.engine.OverlapEngine`) and the door of the loop's state
+style (:mod:`overlap_ckpt.doors`). The training loop calls :meth:`CheckpointManager.step`
+once per step, after its jitted step. Outside checkpoint windows that call returns the
+state it was given and the step is the user's own program; in a window the manager takes
+the step's outbox, hands it to the engine and gives the next step its window ticket. It
+never waits on the device: the step number is read once (:meth:`prepare`) and counted on
+the host afterwards.
 
-Supported states: :class:`overlap_ckpt.flax_linen.TrainState` (and subclasses) and
-:class:`overlap_ckpt.nnx_optimizer.Optimizer` (with its model, see :meth:`prepare`).
-
-Saved tree (what stock Orbax restores)::
-
-    Linen: {"step", "params", "opt_state", <user fields of the TrainState subclass>}
-    NNX:   {"step", "params", "opt_state", ["model_state"]}
+Failures of background work (a replay, a write, a full disk) are raised as
+:class:`overlap_ckpt.errors.CheckpointError` from the next :meth:`step` or :meth:`save`
+(``on_error="raise"``, the default, like Orbax's async saves) or logged
+(``on_error="log"``); either way every failed step is kept in :meth:`failed_steps`.
 """
 
 from __future__ import annotations
 
+import collections
+import dataclasses
 import logging
-import time
+import threading
 from typing import Any
 
 import jax
-import jax.numpy as jnp
-import numpy as np
 
-from .engine import OverlapEngine
-from .errors import ConfigError
-from .hostarray import HostArray, HostShard, normalize_index
-from . import flax_linen
+from .autok import AutoWindow
+from .core.capture import Outbox, WindowTicket
+from .core import backend
+from .core.engine import OverlapEngine
+from .core.fallback import capture_before_step
+from .doors.base import Door, Parts, standard_tree
+from .doors.registry import door_for
+from .errors import CheckpointError, ConfigError
+from .save_tree import Arrange, SaveTree
 
 log = logging.getLogger(__name__)
 
-_AUTO_MEASURE_STEPS = 5  # steps timed on accelerators before choosing K (window="auto")
+DEFAULT_HOST_BUDGET = 1.25  # x the state's bytes: one host copy at a time, plus transients
+MIN_HOST_HEADROOM = 16 << 20  # small states: a second copy costs nothing worth skipping for
+_KEEP_TRACEBACKS = 16  # failures older than this keep their message, not their frames
 
 
-def _combine(params, opt_state, extras) -> dict:
-    return {"params": params, "opt_state": opt_state, **extras}
+@dataclasses.dataclass(frozen=True)
+class CheckpointFailure:
+    """One checkpoint that was not written: its step, the stage that failed, the cause."""
 
+    step: int | None
+    stage: str  # "replay", "handoff", "persist"
+    error: BaseException
 
-def _snapshot_leaf(x: Any) -> Any:
-    """A host copy of ``x`` that owns its memory (no view of a buffer donation may reuse)."""
-    if isinstance(x, jax.Array):
-        if jax.dtypes.issubdtype(x.dtype, jax.dtypes.prng_key):
-            raise TypeError("typed PRNG key arrays cannot be checkpointed yet; store "
-                            "jax.random.key_data(key) in the state instead")
-        shards = []
-        seen = set()
-        for shard in x.addressable_shards:
-            index = normalize_index(shard.index, x.shape)
-            key = tuple((s.start, s.stop) for s in index)
-            if shard.replica_id != 0 or key in seen:
-                continue
-            seen.add(key)
-            shards.append(HostShard(index, np.array(shard.data, copy=True)))
-        return HostArray(tuple(x.shape), np.dtype(x.dtype), shards)
-    if isinstance(x, (np.ndarray, np.generic, int, float, bool)):
-        return HostArray.from_numpy(np.array(x, copy=True))
-    return x
-
-
-def _abstract(x: Any) -> Any:
-    """Restore target of one leaf: shape, dtype and sharding of ``x``."""
-    if isinstance(x, jax.ShapeDtypeStruct):
-        return x
-    if isinstance(x, jax.Array):
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    arr = jnp.asarray(x)  # Python scalars: the dtype JAX would give them (int32 without x64)
-    return jax.ShapeDtypeStruct(arr.shape, arr.dtype, sharding=arr.sharding)
-
-
-def _is_nnx_optimizer(obj: Any) -> bool:
-    try:
-        from .nnx_optimizer import Optimizer
-    except ImportError:  # pragma: no cover - flax without nnx
-        return False
-    return isinstance(obj, Optimizer)
-
-
-def _check_linen_state(state: Any) -> None:
-    if isinstance(state, flax_linen.TrainState):
-        return
-    if flax_linen.is_plain_flax_train_state(state):
-        raise TypeError(
-            f"CheckpointManager got a {type(state).__module__}.{type(state).__qualname__}, a plain "
-            "flax.training.train_state.TrainState: its apply_gradients cannot capture checkpoint "
-            "windows. Use overlap_ckpt.TrainState (overlap_ckpt.flax_linen.TrainState) instead: "
-            "it is a drop-in subclass, e.g. `state = overlap_ckpt.TrainState.create(apply_fn=..., "
-            "params=..., tx=...)`, and subclass it instead of Flax's for extra fields.")
-    try:
-        from flax import nnx
-        if isinstance(state, nnx.Optimizer):
-            raise TypeError(
-                "CheckpointManager got a plain flax.nnx.Optimizer: its update() cannot capture "
-                "checkpoint windows. Use overlap_ckpt.nnx_optimizer.Optimizer(model, tx, wrt=...) "
-                "instead (a drop-in subclass).")
-    except ImportError:  # pragma: no cover
-        pass
-    raise TypeError(f"CheckpointManager needs an overlap_ckpt.TrainState or an "
-                    f"overlap_ckpt.nnx_optimizer.Optimizer, got {type(state).__name__}")
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "a step"
+        return f"{where} failed in {self.stage}: {type(self.error).__name__}: {_short(self.error)}"
 
 
 class CheckpointManager:
@@ -108,211 +61,256 @@ class CheckpointManager:
     Args:
       directory: where checkpoints go (any location :class:`CheckpointStore` accepts).
       save_interval_steps: checkpoint the state of every step that is a multiple of this.
+        ``None`` opens the directory read-only, for :meth:`restore` and the queries.
       max_to_keep, keep_every_n_steps: retention, as in Orbax.
       window: steps K a checkpoint is spread over. ``"auto"``: 1 on the CPU backend; on
-        accelerators K is chosen by :func:`overlap_ckpt.costmodel.choose_k` from the measured
-        step time and device-to-host bandwidth (K=1 until measured).
-      store: an already-open store (or any object with ``save/wait_until_finished/
-        latest_step/all_steps/restore/close``) instead of opening ``directory``.
+        accelerators K is chosen by the cost model from the measured step time and
+        device-to-host bandwidth (K=1 until measured).
+      save_tree: a function rearranging the saved tree ``{"step", "params", "opt_state",
+        **extras}`` into the app's own (see :mod:`overlap_ckpt.save_tree`).
+      item_name: the Orbax item the tree is saved as (Orbax's default is ``"default"``).
+      on_error: ``"raise"`` (default): a failed background checkpoint raises
+        :class:`CheckpointError` from the next :meth:`step`/:meth:`save`; ``"log"``: logged only.
+      max_host_bytes: host memory for checkpoint copies (default 1.25x the state, at least
+        the state + 16 MiB). A window that would need more (the previous checkpoint is still
+        being written) is skipped and listed in :meth:`skipped_steps`; training never waits.
+        A store opened with ``on_backpressure="block"`` waits instead (on its own thread).
+      store: an already-open :class:`CheckpointStore` instead of opening ``directory``.
       persist_bytes_per_s: storage bandwidth assumed by ``window="auto"``.
     """
 
-    def __init__(self, directory: Any = None, *, save_interval_steps: int, max_to_keep: int | None = None,
-                 keep_every_n_steps: int | None = None, window: int | str = "auto", store: Any = None,
+    def __init__(self, directory: Any = None, *, save_interval_steps: int | None = None,
+                 max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
+                 window: int | str = "auto", save_tree: Arrange | None = None, item_name: str = "default",
+                 on_error: str = "raise", max_host_bytes: int | None = None, store: Any = None,
                  persist_bytes_per_s: float = 1e9):
-        if isinstance(save_interval_steps, bool) or not isinstance(save_interval_steps, int) \
-                or save_interval_steps < 1:
-            raise ConfigError(f"save_interval_steps must be an int >= 1, got {save_interval_steps!r}")
+        if save_interval_steps is not None and (isinstance(save_interval_steps, bool) or not isinstance(
+                save_interval_steps, int) or save_interval_steps < 1):
+            raise ConfigError(f"save_interval_steps must be an int >= 1 (or None to only restore), "
+                              f"got {save_interval_steps!r}")
         if window != "auto" and (isinstance(window, bool) or not isinstance(window, int) or window < 1):
             raise ConfigError(f"window must be 'auto' or an int >= 1, got {window!r}")
+        if on_error not in ("raise", "log"):
+            raise ConfigError(f"on_error must be 'raise' or 'log', got {on_error!r}")
+        if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes < 1):
+            raise ConfigError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
         if store is None:
             if directory is None:
                 raise ConfigError("CheckpointManager needs a directory (or store=)")
             from .storage import CheckpointStore
-            store = CheckpointStore(directory, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps)
+            store = CheckpointStore(directory, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
+                                    item_name=item_name, read_only=save_interval_steps is None)
         self.store = store
-        self.directory = directory
+        self.directory = directory if directory is not None else store.directory
         self.save_interval_steps = save_interval_steps
         self.window = window
+        self.on_error = on_error
+        self.max_host_bytes = max_host_bytes
         self.persist_bytes_per_s = persist_bytes_per_s
         self.engine: OverlapEngine | None = None
-        self._tx = None
-        self._kind: str | None = None  # "linen" or "nnx"
-        self._model = None  # NNX: the model the optimizer updates
+        self._save_tree = SaveTree(save_tree)
+        self._door: Door | None = None
+        self._auto: AutoWindow | None = None
         self._next_step: int | None = None  # version of the input state of the next step
-        self._plan = None
-        self._phase: int | None = None
-        self._skip_version: int | None = None  # window joined mid-way (after a resume)
-        self._sync_saved: set[int] = set()  # versions saved by save() or on storage: not captured
-        self._windows: set[int] = set()  # versions whose last phase was submitted
-        self._auto: dict | None = None  # window="auto" measurement on accelerators
+        self._sent: WindowTicket | None = None  # the ticket given to the next step
+        self._extras: list | None = None  # extras copied before the next step (doors that need it)
+        self._failures: list[CheckpointFailure] = []
+        self._skipped: collections.deque[int] = collections.deque(maxlen=1000)
+        self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
+        self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
+        self._captured: collections.deque[int] = collections.deque(maxlen=16)  # versions whose window completed capture
         self._closed = False
 
     # -- the per-step API ------------------------------------------------------------------
-    def prepare(self, state: Any, model: Any = None) -> Any:
-        """Attach the checkpoint plan and phase to a fresh or restored state (one host sync).
+    def prepare(self, state: Any, model: Any = None, *, graphdef: Any = None) -> Any:
+        """Plan checkpoints for a fresh or restored state and return it ready for the first step.
 
-        Linen: returns the state to train with. NNX: pass ``(optimizer, model)``; the optimizer
-        is updated in place and returned.
+        Linen: returns the state to train with (replicated states for ``jax.pmap`` are
+        recognised). NNX: ``prepare(optimizer, model)``, updated in place and returned;
+        functional NNX: ``prepare(state, graphdef=graphdef)``. One host sync. The optimizer
+        is analysed and every phase of a window is replayed once on the host, so an
+        optimizer or a state that cannot be checkpointed is refused here.
         """
         self._check_open()
-        if _is_nnx_optimizer(state):
-            if model is None:
-                model = self._model
-            if model is None:
-                raise TypeError("prepare(optimizer, model): the NNX integration needs the model the "
-                                "optimizer updates")
-            self._kind, self._model = "nnx", model
-            step = int(state.step[...])
-        else:
-            _check_linen_state(state)
-            self._kind = "linen"
-            state = _committed(flax_linen.with_step_array(state))
-            step = int(state.step)
-        self._ensure_engine(state)
+        self._check_writable("prepare")
+        door = door_for(state, model=model if model is not None else getattr(self._door, "model", None),
+                        graphdef=graphdef)
+        state = door.prepared(state)
+        parts = door.parts(state)
+        step = door.step_number(state)
+        self._door = door
+        self._ensure_engine(parts)
+        self._save_tree.bind(door.plain(standard_tree(parts)))
+        engine = self.engine
+        engine.start(step)
+        # Versions already on storage (a resume from an older step) are never captured again.
+        for saved in self.store.all_steps():
+            engine.windows.exclude(int(saved))
+        engine.plan_for(parts.params, parts.opt_state, parts.extras)
         self._next_step = step
-        # Versions already on storage (a resume from an older step): never captured again.
-        self._sync_saved.update(int(s) for s in self.store.all_steps())
-        phase = self.engine.phase(step)
-        # A window already under way at this step cannot complete (its first phases ran
-        # before this state existed): train through it without capturing.
-        self._skip_version = self.engine.schedule.target(step) if phase not in (None, 0) else None
         if self._auto is not None:
-            self._auto.update(start=None, start_step=None)
-        return self._attach(state, step)
+            self._auto.restart()
+        return self._attach(door.attach(state, None), step)
 
     def step(self, state: Any) -> Any:
-        """Take the outbox of the step that produced ``state`` and prepare the next step.
+        """Take the outbox of the step that produced ``state`` and ready the next step.
 
         Call once per training step, after the jitted step, with the state it returned
-        (NNX: the optimizer). Returns the state to feed to the next step.
+        (NNX: the optimizer; functional NNX: the ``nnx.State``). Returns the state to feed
+        to the next step: outside checkpoint windows, the very object it was given.
+
+        Raises :class:`CheckpointError` for background checkpoints that failed since the
+        last call (``on_error="raise"``), before taking anything from ``state``: to go on
+        training, handle it and call ``step(state)`` again.
         """
         self._check_open()
-        if self._kind is None or self._next_step is None:
+        self._raise_failures()
+        if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
-        nnx = self._kind == "nnx"
-        if nnx:
-            if not _is_nnx_optimizer(state):
-                _check_linen_state(state)  # raises the right TypeError
-        else:
-            _check_linen_state(state)
-        t, phase, plan = self._next_step, self._phase, self._plan
-        if state.ckpt_plan is not plan or state.ckpt_phase != phase:
-            log.warning("the state given to CheckpointManager.step was not prepared by it for "
-                        "step %d; re-synchronising (one host sync)", t)
-            return self.prepare(self._clear(state))
-        outbox = state.ckpt_outbox
-        if phase is not None:
-            if outbox is None:
-                raise RuntimeError(
-                    f"step {t} is in phase {phase} of a checkpoint window but the state carries no "
-                    "outbox: call CheckpointManager.step exactly once per training step, with the "
-                    "state returned by a step that called apply_gradients (NNX: optimizer.update).")
-            version = t - phase + plan.k - 1
-            if version not in self._sync_saved:
-                self.engine.submit(t, phase, outbox, {"framework": self._kind, "window": plan.k})
-                if phase == plan.k - 1:
-                    self._windows.add(version)
-        state = self._clear(state)
+        door, sent, t = self._door, self._sent, self._next_step
+        outbox, state = door.take_outbox(state)
+        if sent is not None:
+            self._receive(t, sent, outbox)
+        elif outbox is not None:
+            raise RuntimeError(
+                f"the state given to CheckpointManager.step for step {t} carries a checkpoint window "
+                "it was not given by this manager; train on the state step() returns, and call "
+                "step() exactly once per training step.")
         self._next_step = t + 1
-        self._measure(state, t + 1)
+        if self._auto is not None and sent is None:
+            self._observe(state, t + 1)
         return self._attach(state, t + 1)
 
-    step_nnx = step
+    def compile_ahead(self, step_fn: Any, *args: Any, **kwargs: Any) -> threading.Thread:
+        """Compile the window variants of ``step_fn`` in a background thread.
+
+        Without this, the first step of each window phase compiles its variant on the
+        training thread (K programs besides the user's own, seconds to minutes each for a
+        large model). Call it after :meth:`prepare` with the jitted step and the arguments
+        of one call, the prepared state among them (``mngr.compile_ahead(train_step, state,
+        batch)``); it returns at once, and plain steps run while the variants compile.
+        ``step_fn`` must be a ``jax.jit``-ed function (it needs ``.lower``). When
+        ``window="auto"`` changes K, the new variants are compiled the same way.
+        """
+        self._check_open()
+        if self._door is None:
+            raise RuntimeError("compile_ahead: call prepare() first")
+        if not hasattr(step_fn, "lower"):
+            raise TypeError(f"compile_ahead needs a jax.jit-ed step function (with .lower), got "
+                            f"{type(step_fn).__name__}")
+        if not any(self._door.is_state(a) for a in args):
+            raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
+                            "prepared; pass the arguments of one call of the step, the state among them")
+        # Shapes, dtypes and shardings only (no reference to buffers the next step donates),
+        # with uncommitted arrays left unplaced: jit keys its cache on that difference.
+        abstract = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
+            x.shape, x.dtype, sharding=x.sharding if x.committed else None, weak_type=x.weak_type) \
+            if isinstance(x, jax.Array) else x
+        self._ahead = (step_fn, jax.tree.map(abstract, args), jax.tree.map(abstract, kwargs))
+        return self._compile_ahead()
+
+    def _compile_ahead(self) -> threading.Thread:
+        step_fn, args, kwargs = self._ahead
+        door, plan = self._door, self.engine.plan
+        tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+
+        def run() -> None:
+            for ticket in tickets:
+                call = [door.copy_with(a, ticket) if door.is_state(a) else a for a in args]
+                try:
+                    step_fn.lower(*call, **kwargs).compile()
+                except Exception as e:  # noqa: BLE001 - the real step will raise it where it belongs
+                    log.warning("compile_ahead: phase %d did not compile (%s: %s); it compiles when "
+                                "it first runs", ticket.phase, type(e).__name__, _short(e))
+                    return
+
+        thread = threading.Thread(target=run, name="overlap-ckpt-compile-ahead", daemon=True)
+        thread.start()
+        self._compiling.append(thread)
+        return thread
 
     def should_save(self, step: int) -> bool:
-        return step > 0 and step % self.save_interval_steps == 0
+        interval = self.save_interval_steps
+        return interval is not None and step > 0 and step % interval == 0
 
     # -- explicit saves and restores -------------------------------------------------------
-    def save(self, step: int, state: Any, force: bool = False) -> bool:
+    def save(self, step: int, state: Any, force: bool = False, *, model: Any = None,
+             graphdef: Any = None) -> bool:
         """Synchronous snapshot of ``state`` as checkpoint ``step`` (e.g. at the end of
         training); the write itself is in the background. Returns False when nothing was
-        saved: ``step`` is not a save step (and not ``force``), or its window already saved it.
+        saved: ``step`` is not a save step (and not ``force``), or it is already saved.
         """
         self._check_open()
+        self._check_writable("save")
+        self._raise_failures()
         step = int(step)
-        if step in self._windows or step in self._sync_saved:
-            return False
         if not (force or self.should_save(step)):
             return False
-        if step in self.store.all_steps():
+        if step in self._captured or step in self.store.all_steps() or step in self.store.pending_steps():
             return False
-        if _is_nnx_optimizer(state):
-            if self._model is None:
-                raise TypeError("call prepare(optimizer, model) before save() for NNX")
-            from .nnx_optimizer import nnx_extras, model_params, to_plain
-            from flax import nnx as _nnx
-            tree = to_plain(_combine(model_params(state, self._model), _nnx.as_pure(state.opt_state),
-                                     nnx_extras(state, self._model)))
-            kind = "nnx"
-        else:
-            _check_linen_state(state)
-            tree = _combine(state.params, state.opt_state, flax_linen.state_extras(state))
-            kind = "linen"
-        host = jax.tree.map(_snapshot_leaf, tree)
-        self.store.save(step, host, {"framework": kind, "window": 0})
-        self._sync_saved.add(step)
+        door = self._door or door_for(state, model=model, graphdef=graphdef)
+        tree = door.plain(standard_tree(door.snapshot(state)))
+        self._save_tree.bind(tree)
+        self.store.save(step, self._save_tree.to_saved(tree), {"framework": door.name, "window": 0})
+        if self.engine is not None:
+            self.engine.windows.exclude(step)
         return True
 
-    def restore(self, step: int | None = None, target_state: Any = None, *, model: Any = None) -> Any:
-        """Read checkpoint ``step`` (latest when None) into the structure, shapes, dtypes and
-        shardings of ``target_state`` and return it prepared for training.
+    def restore(self, step: int | None = None, target_state: Any = None, *, model: Any = None,
+                graphdef: Any = None) -> Any:
+        """Read checkpoint ``step`` (latest when None).
 
-        Linen: ``target_state`` is a (freshly initialised) ``overlap_ckpt.TrainState``; a new
-        state is returned. NNX: ``target_state`` is the optimizer and ``model=`` its model;
-        both are updated in place and the optimizer returned. A mismatch of structure,
-        shape or dtype raises an error naming the leaf, the saved and the given shape/dtype.
+        Without ``target_state``, returns the saved tree as numpy arrays, like Orbax. With
+        one, reads into its structure, shapes, dtypes and shardings and returns it prepared
+        for training (Linen: a new state; NNX: the optimizer and ``model=`` updated in
+        place; functional NNX: a new ``nnx.State``, with ``graphdef=``). A mismatch of
+        structure, shape or dtype raises an error naming the leaf.
         """
         self._check_open()
+        step = self._restorable(step)
         if target_state is None:
-            raise TypeError("restore needs target_state= (a freshly initialised state to fill)")
-        if step is None:
-            step = self.store.latest_step()
-            if step is None:
-                raise FileNotFoundError(f"no checkpoint in {self.directory}")
-        if _is_nnx_optimizer(target_state):
-            model = model if model is not None else self._model
-            if model is None:
-                raise TypeError("restore(step, target_state=optimizer, model=model) for NNX")
-            return self._restore_nnx(step, target_state, model)
-        _check_linen_state(target_state)
-        target_state = flax_linen.with_step_array(target_state)
-        like = _combine(target_state.params, target_state.opt_state, flax_linen.state_extras(target_state))
-        tree, _ = self.store.restore(step, target=jax.tree.map(_abstract, like))
-        fields = {k: v for k, v in tree.items() if k not in ("params", "opt_state")}
-        state = self._clear(target_state).replace(params=tree["params"], opt_state=tree["opt_state"], **fields)
-        return self.prepare(state)
-
-    def _restore_nnx(self, step: int, optimizer: Any, model: Any) -> Any:
-        from flax import nnx
-        from .nnx_optimizer import from_plain, model_params, nnx_extras, to_plain
-        like = _combine(model_params(optimizer, model), nnx.as_pure(optimizer.opt_state),
-                        nnx_extras(optimizer, model))
-        tree, _ = self.store.restore(step, target=to_plain(jax.tree.map(_abstract, like)))
-        restored = from_plain(tree, like)
-        nnx.update(model, restored["params"])
-        if "model_state" in restored:
-            nnx.update(model, restored["model_state"])
-        nnx.update(optimizer.opt_state, nnx.state(restored["opt_state"], graph=optimizer.graph))
-        optimizer.step[...] = restored["step"]
-        optimizer.ckpt_plan = None
-        optimizer.ckpt_phase = None
-        optimizer.ckpt_outbox = None
-        return self.prepare(optimizer, model)
+            tree, _ = self.store.restore(step)
+            return tree
+        door = door_for(target_state, model=model, graphdef=graphdef)
+        target = door.restore_target(target_state)
+        like = standard_tree(target)
+        self._save_tree.bind(door.plain(like))
+        tree, _ = self.store.restore(step, target=self._save_tree.to_saved(door.plain(like)))
+        tree = door.unplain(self._save_tree.to_standard(tree), like)
+        restored = {k: v for k, v in tree.items() if k not in ("params", "opt_state")}
+        state = door.restored(target_state, Parts(tree["params"], tree["opt_state"], restored, target.tx))
+        if self.save_interval_steps is None:
+            return state
+        return self.prepare(state, model=model, graphdef=graphdef)
 
     # -- Orbax-like queries and lifetime ---------------------------------------------------
     def latest_step(self) -> int | None:
-        return self.store.latest_step()
+        latest = self.store.latest_step()
+        if latest is None:
+            self.store.check_not_foreign()
+        return latest
 
     def all_steps(self) -> list[int]:
         return list(self.store.all_steps())
 
+    def failed_steps(self) -> list[CheckpointFailure]:
+        """Every checkpoint of this manager that failed, oldest first (raised or logged)."""
+        self._collect()
+        return list(self._failures)
+
+    def skipped_steps(self) -> list[int]:
+        """Checkpoint steps not taken because host memory or storage was still busy with an
+        earlier one (``max_host_bytes``, the store's back-pressure)."""
+        return sorted(set(self._skipped) | set(getattr(self.store, "dropped_steps", [])))
+
     def wait_until_finished(self) -> None:
-        """Block until every captured window is replayed and every checkpoint persisted."""
+        """Block until every captured window is replayed and every checkpoint persisted;
+        raise :class:`CheckpointError` for failures not reported yet (whatever ``on_error``)."""
         if self.engine is not None:
-            self.engine.wait_until_finished()
-        self.store.wait_until_finished()
+            self.engine.flush()
+        self.store.flush()
+        self._raise_failures(always=True)
 
     def close(self) -> None:
         if self._closed:
@@ -321,6 +319,8 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            for thread in self._compiling:  # a process must not exit in the middle of a compile
+                thread.join()
             if self.engine is not None:
                 self.engine.close()
             self.store.close()
@@ -337,118 +337,160 @@ class CheckpointManager:
         except Exception:  # noqa: BLE001 - do not hide the original exception
             log.exception("error while closing the CheckpointManager during another exception")
 
+    def open_window(self) -> int | None:
+        """The version of a window the next step would continue (phase > 0), if any: a
+        window that cannot complete if training stops now (used on preemption)."""
+        if self.engine is None or self._next_step is None:
+            return None
+        return self.engine.windows.open_window(self._next_step)
+
     # -- internals ---------------------------------------------------------------------------
     def _check_open(self) -> None:
         if self._closed:
             raise RuntimeError("this CheckpointManager is closed")
 
-    def _trees(self, state: Any) -> tuple[Any, Any, Any]:
-        if self._kind == "nnx":
-            from flax import nnx
-            from .nnx_optimizer import model_params, nnx_extras
-            return (model_params(state, self._model), nnx.as_pure(state.opt_state),
-                    nnx_extras(state, self._model))
-        return state.params, state.opt_state, flax_linen.state_extras(state)
+    def _check_writable(self, what: str) -> None:
+        if self.save_interval_steps is None:
+            raise ConfigError(f"CheckpointManager.{what}: this manager was opened without "
+                              "save_interval_steps, for restoring only; pass save_interval_steps= to train.")
 
-    def _ensure_engine(self, state: Any) -> None:
-        tx = state.tx
-        if self.engine is not None and self._tx is tx:
+    def _ensure_engine(self, parts: Parts) -> None:
+        door = self._door
+        if self.engine is not None and self.engine.tx is parts.tx \
+                and self.engine.outbox_memory == backend.outbox_memory(door.outbox_memory):
             return
         if self.engine is not None:
-            self.engine.wait_until_finished()
+            self.engine.flush()
             self.engine.close()
-        combine = _combine
-        if self._kind == "nnx":
-            from .nnx_optimizer import to_plain
-            combine = lambda p, o, e: to_plain(_combine(p, o, e))  # noqa: E731
-        self.engine = OverlapEngine(tx, self.store, interval=self.save_interval_steps,
-                                    window=self._initial_window(state), combine=combine)
-        self._tx = tx
-        self._plan = None
-
-    def _initial_window(self, state: Any) -> int:
-        if self.window != "auto":
-            return self.window
-        leaves = jax.tree.leaves(self._trees(state)[0])
-        platform = next(iter(leaves[0].sharding.device_set)).platform if leaves else "cpu"
-        if platform == "cpu":
-            return 1
-        try:
-            from . import costmodel
-            costmodel.choose_k  # noqa: B018
-        except (ImportError, AttributeError):
-            log.info("overlap_ckpt.costmodel unavailable; window='auto' uses K=1")
-            return 1
-        self._auto = {"start": None, "start_step": None, "device": next(iter(leaves[0].sharding.device_set))}
-        return 1
-
-    def _measure(self, state: Any, step: int) -> None:
-        """window="auto" on accelerators: time a few steps (two host syncs), then choose K."""
-        auto = self._auto
-        if auto is None or self._phase is not None or self._plan is None:
-            return
-        leaf = jax.tree.leaves(self._trees(state)[0])[0]
-        if auto["start"] is None:
-            leaf.block_until_ready()
-            auto.update(start=time.perf_counter(), start_step=step)
-            return
-        if step - auto["start_step"] < _AUTO_MEASURE_STEPS:
-            return
-        leaf.block_until_ready()
-        step_time = (time.perf_counter() - auto["start"]) / (step - auto["start_step"])
-        from . import costmodel
-        plan = self._plan
-        try:
-            bandwidth = costmodel.measure_d2h_bandwidth(auto["device"])
-            profile = costmodel.TrainingProfile(
-                step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
-                grad_bytes=plan.grad_bytes, persist_bytes_per_s=self.persist_bytes_per_s)
-            k = costmodel.choose_k(profile, interval_steps=self.save_interval_steps)
-        except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
-            log.warning("window='auto' could not choose K (%s); keeping K=1", e)
-            k = 1
+        window = self.window
         self._auto = None
-        log.info("window='auto': step %.4fs, K=%d", step_time, k)
-        if k != self.engine.schedule.k:
-            self.engine.set_window(k)
-            self._plan = None
+        if window == "auto":
+            window = 1
+            leaves = jax.tree.leaves(parts.params)
+            auto = AutoWindow(self.save_interval_steps, self.persist_bytes_per_s)
+            if leaves and auto.wants_measurement(leaves[0]):
+                self._auto = auto
+        save_tree = self._save_tree
+
+        def saved_tree(params, opt_state, extras):
+            return save_tree.to_saved(door.plain(standard_tree(Parts(params, opt_state, extras, parts.tx))))
+
+        self.engine = OverlapEngine(parts.tx, self.store, interval=self.save_interval_steps, window=window,
+                                    combine=saved_tree, outbox_memory=door.outbox_memory)
 
     def _attach(self, state: Any, step: int) -> Any:
-        """Set plan and phase of the step whose input is ``state`` (version ``step``)."""
+        """Give the step whose input is ``state`` (version ``step``) its ticket, if any."""
         engine = self.engine
         phase = engine.phase(step)
-        if self._plan is None or phase == 0:
-            self._plan = engine.plan_for(*self._trees(state))  # re-plans if the tree changed
-            phase = engine.phase(step)
-        if phase is not None and self._skip_version is not None:
-            if engine.schedule.target(step) == self._skip_version:
-                phase = None
-            else:
-                self._skip_version = None
-        if phase is not None and (step - phase + self._plan.k - 1) in self._sync_saved:
-            phase = None
-        self._phase = phase
-        if self._kind == "nnx":
-            state.ckpt_plan, state.ckpt_phase = self._plan, phase
+        if phase is None:
+            self._sent = None
             return state
-        return state.replace(ckpt_plan=self._plan, ckpt_phase=phase)
+        if phase == 0:
+            parts = self._door.parts(state)
+            engine.plan_for(parts.params, parts.opt_state, parts.extras)  # re-plans if the tree changed
+            if engine.phase(step) == 0 and engine.windows.captures(step, 0):  # the plan may lower K
+                self._check_host_memory(step)
+        ticket = engine.ticket(step)
+        self._sent = ticket
+        self._extras = None
+        if ticket.last and ticket.capture and not self._door.extras_in_step \
+                and engine.windows.captures(step, ticket.phase):
+            self._extras = capture_before_step(ticket, self._door.parts(state).extras)
+        return self._door.attach(state, ticket)
 
-    def _clear(self, state: Any) -> Any:
-        if self._kind == "nnx" or _is_nnx_optimizer(state):
-            state.ckpt_outbox = None
-            return state
-        return state.replace(ckpt_outbox=None)
+    def _check_host_memory(self, step: int) -> None:
+        """Room for one more host copy of the state? Otherwise skip the window of ``step``'s
+        version: the copy the previous checkpoint is being written from is still needed."""
+        plan = self.engine.plan
+        self.engine.release_idle_buffers()
+        if getattr(self.store, "on_backpressure", None) == "block":
+            return  # the store was asked to wait rather than drop: its thread waits
+        budget = self.max_host_bytes or max(int(DEFAULT_HOST_BUDGET * plan.state_bytes),
+                                            plan.state_bytes + MIN_HOST_HEADROOM)
+        held = self.store.held_bytes()
+        if held + plan.state_bytes <= budget:
+            return
+        version = self.engine.schedule.version(step, 0)
+        log.warning("checkpoint of step %d skipped: the previous checkpoint (%d MB of host memory) is "
+                    "still being written and max_host_bytes=%d allows one copy; a checkpoint interval "
+                    "shorter than the write time keeps skipping.", version, held >> 20, budget)
+        self._skipped.append(version)
+        self.engine.windows.skip(version)
+
+    def _receive(self, t: int, sent: WindowTicket, outbox: Any) -> None:
+        if isinstance(outbox, WindowTicket) or outbox is None:
+            raise RuntimeError(
+                f"step {t} is in phase {sent.phase} of a checkpoint window but the state carries no "
+                "outbox: call CheckpointManager.step exactly once per training step, with the state "
+                "returned by a step that called apply_gradients (NNX: optimizer.update).")
+        if not isinstance(outbox, Outbox) or outbox.ticket != sent:
+            raise RuntimeError(f"the outbox of step {t} is not the one this manager asked for "
+                               f"(phase {getattr(getattr(outbox, 'ticket', None), 'phase', '?')}, "
+                               f"expected {sent.phase})")
+        if self._extras is not None:
+            outbox = dataclasses.replace(outbox, extras=self._extras)
+        if self.engine.submit(t, outbox, {"framework": self._door.name, "window": sent.plan.k}) and sent.last:
+            self._captured.append(self.engine.schedule.version(t, sent.phase))
+
+    def _observe(self, state: Any, step: int) -> None:
+        plan = self.engine.plan
+        leaf = jax.tree.leaves(self._door.parts(state).params)[0]
+        k = self._auto.observe(leaf, step, plan.state_bytes, plan.grad_bytes)
+        if k is None:
+            return
+        self._auto = None
+        if k != self.engine.schedule.k:
+            self.engine.set_window(k)
+            parts = self._door.parts(state)
+            self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
+            if self._ahead is not None:
+                self._compile_ahead()
+
+    def _restorable(self, step: int | None) -> int:
+        if step is not None:
+            return int(step)
+        latest = self.latest_step()
+        if latest is None:
+            from .storage import CheckpointNotFoundError
+            raise CheckpointNotFoundError(f"no checkpoint in {self.directory}", path=str(self.directory))
+        return self.store.latest_intact_step()
+
+    def _collect(self) -> list[CheckpointFailure]:
+        new = []
+        if self.engine is not None:
+            new += [CheckpointFailure(f.step, f.stage, f.error) for f in self.engine.take_failures()]
+        new += [CheckpointFailure(getattr(e, "step", None), "persist", e) for e in self.store.take_errors()]
+        self._failures += new
+        for old in self._failures[:-_KEEP_TRACEBACKS]:
+            _drop_traceback(old.error)  # frames of a failed persist hold its host copy alive
+        return new
+
+    def _raise_failures(self, always: bool = False) -> None:
+        new = self._collect()
+        if not new:
+            return
+        if self.on_error == "log" and not always:
+            for failure in new:
+                log.error("checkpoint %s", failure)
+            return
+        lines = "; ".join(str(f) for f in new[:5]) + (f"; and {len(new) - 5} more" if len(new) > 5 else "")
+        error = CheckpointError(
+            f"{len(new)} checkpoint(s) failed in the background: {lines}. Training can go on; "
+            "mngr.failed_steps() lists every failure. Fix the cause (e.g. free disk space) for the "
+            "next checkpoints, or pass on_error='log' to keep training without this exception.",
+            step=new[0].step, path=str(self.directory), failures=tuple(new))
+        raise error from new[0].error
 
 
-__all__ = ["CheckpointManager"]
+def _drop_traceback(error: BaseException | None) -> None:
+    while error is not None and error.__traceback__ is not None:
+        error.__traceback__ = None
+        error = error.__cause__ or error.__context__
 
 
-def _committed(tree: Any) -> Any:
-    """Commit every array to the sharding it already has.
+def _short(e: BaseException, limit: int = 300) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."
 
-    A freshly initialised state holds *uncommitted* arrays, while a window step returns
-    arrays committed to their devices (its pinned-host outputs pin the placement). Jit
-    keys its cache on that difference, so without this the first window step and the
-    first step after it would each compile the train step once more.
-    """
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, tree)
+
+__all__ = ["CheckpointManager", "CheckpointFailure"]

@@ -59,15 +59,6 @@ class PreemptionReport:
                 f"{self.last_committed_step} ({what})")
 
 
-def _open_window(manager: Any) -> int | None:
-    """Version of the window the next step would continue (phase > 0), if any."""
-    phase, plan, nxt = getattr(manager, "_phase", None), getattr(manager, "_plan", None), \
-        getattr(manager, "_next_step", None)
-    if phase in (None, 0) or plan is None or nxt is None:
-        return None
-    return nxt - phase + plan.k - 1
-
-
 def drain(manager: Any, deadline_s: float) -> tuple[bool, str | None]:
     """Wait up to ``deadline_s`` for submitted windows and queued persists; (done, error)."""
     outcome: dict[str, Any] = {}
@@ -104,7 +95,7 @@ def install(manager: Any, deadline_s: float = 30.0, *, signals: tuple[int, ...] 
             return  # a second SIGTERM while draining: the deadline still applies
         fired.set()
         start = time.monotonic()
-        window = _open_window(manager)
+        window = manager.open_window()
         log.warning("received %s: finishing submitted checkpoint work (deadline %.1fs)",
                     signal.Signals(signum).name, deadline_s)
         done, error = drain(manager, deadline_s)
@@ -115,12 +106,10 @@ def install(manager: Any, deadline_s: float = 30.0, *, signals: tuple[int, ...] 
             last, error = None, error or f"{type(e).__name__}: {e}"
         report = PreemptionReport(signum, last, done, time.monotonic() - start, window, error)
         if done and store is not None:
-            lock = getattr(store, "_lock", None)
-            if lock is not None:
-                try:
-                    lock.release()  # the next job may start at once (the kernel would anyway)
-                except Exception:  # noqa: BLE001
-                    pass
+            try:
+                store.release_lock()  # the next job may start at once (the kernel would anyway)
+            except Exception:  # noqa: BLE001
+                pass
         if on_exit is not None:
             try:
                 on_exit(report)

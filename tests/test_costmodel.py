@@ -11,18 +11,16 @@ from hypothesis import strategies as st
 
 from overlap_ckpt.costmodel import (
     GB,
-    HARDWARE_PRESETS,
     TrainingProfile,
     choose_k,
     estimate,
-    format_simulation_table,
     measure_d2h_bandwidth,
     min_zero_stall_k,
     predict_ettr,
     predict_stall_s,
-    simulate,
     window_transfer_bytes,
 )
+from overlap_ckpt.tools.simulate import HARDWARE_PRESETS, format_simulation_table, simulate
 
 FAST = settings(max_examples=60, deadline=None)
 

@@ -18,7 +18,8 @@ from .errors import (CheckpointError, CheckpointLockedError, CheckpointNotFoundE
                      OutOfSpaceError, StepAlreadyExistsError, StoreClosedError, TargetMismatchError)
 from .hooks import STAGES as FAULT_STAGES
 from .hooks import set_fault_hook
-from .store import CheckpointStore, Coordinator, PersistRecord, SingleProcess
+from .coordination import Coordinator, SingleProcess
+from .store import CheckpointStore, PersistRecord
 from .verify import StepCheck, VerifyReport
 
 __all__ = [

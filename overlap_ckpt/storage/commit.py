@@ -18,6 +18,7 @@ object stores) is complete. Hence:
 from __future__ import annotations
 
 import dataclasses
+import re
 
 from . import layout
 from .location import Location
@@ -53,6 +54,17 @@ def list_steps(location: Location) -> StepListing:
         else:
             incomplete.add(step)
     return StepListing(sorted(complete), sorted(incomplete - complete))
+
+
+# Names other checkpointers give their steps: Flax's checkpoints.save_checkpoint
+# ("checkpoint_1000"), common hand-rolled ones ("ckpt-1000", "step_1000.pkl", "model_1000.msgpack").
+_FOREIGN = re.compile(r"^(checkpoint|ckpt|step|model|state)[_-]?\d+(\.[A-Za-z0-9]+)?$")
+
+
+def foreign_checkpoints(location: Location) -> list[str]:
+    """Entries under the root that look like another format's checkpoints, sorted."""
+    return sorted(name for name in location.list_children("")
+                  if layout.parse_step_name(name) is None and _FOREIGN.match(name))
 
 
 def commit(location: Location, step: int) -> None:

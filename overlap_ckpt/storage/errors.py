@@ -11,16 +11,7 @@ from __future__ import annotations
 
 import errno as _errno
 
-from ..errors import OverlapCkptError, TreeMismatchError
-
-
-class CheckpointError(OverlapCkptError):
-    """Base class of every storage fault. ``step`` and ``path`` name where, when known."""
-
-    def __init__(self, message: str, *, step: int | None = None, path: str | None = None):
-        super().__init__(message)
-        self.step = step
-        self.path = path
+from ..errors import CheckpointError, TreeMismatchError
 
 
 class CheckpointNotFoundError(CheckpointError, FileNotFoundError):

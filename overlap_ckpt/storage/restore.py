@@ -29,9 +29,9 @@ import jax
 import numpy as np
 import tensorstore as ts
 
-from ..hostarray import full_index, normalize_index
+from ..hostarray import full_index, index_key, normalize_index
 from . import layout, writer
-from .errors import InvalidMetadataError, TargetMismatchError, read_error
+from .errors import CorruptCheckpointError, InvalidMetadataError, TargetMismatchError, read_error
 from .location import Location
 from .tree import (KEY_SEQUENCE, VT_DICT, VT_LIST, VT_SCALAR, VT_TUPLE, flatten, is_empty_node,
                    key_name_and_type, path_str)
@@ -66,6 +66,11 @@ class StepView:
 def open_step(location: Location, step: int | None, step_rel: str, item_name: str) -> StepView:
     """Read and validate the metadata of one step directory."""
     item = item_name
+    if location.list_children(f"{step_rel}/{item}") and not location.exists(f"{step_rel}/{item}/{layout.TREE_METADATA}"):
+        raise CorruptCheckpointError(
+            f"{location.describe(step_rel)} is damaged: its item {item!r} has no {layout.TREE_METADATA} "
+            "file (deleted or never written); restore an earlier step.", step=step,
+            path=location.describe(f"{step_rel}/{item}"))
     if not location.exists(f"{step_rel}/{item}/{layout.TREE_METADATA}"):
         # Orbax managers may name the item differently: accept a single item directory.
         candidates = [n for n in location.list_children(step_rel)
@@ -229,7 +234,7 @@ def restore_numpy(view: StepView, context: ts.Context, budget: int) -> Any:
         array = _read(view, leaf.name, fut)
         values[leaf.name] = array.item() if leaf.value_type == VT_SCALAR else array
 
-    bounded(leaves, nbytes=lambda leaf: _nbytes(stores[leaf.name]),
+    bounded(leaves, nbytes=lambda leaf: stored_nbytes(stores[leaf.name]),
             issue=lambda leaf: PendingRead(stores[leaf.name], stores[leaf.name].dtype.numpy_dtype),
             finish=finish, budget=budget)
     root: dict = {}
@@ -247,7 +252,7 @@ def restore_numpy(view: StepView, context: ts.Context, budget: int) -> Any:
     return _lists_where_sequence(root, (), types)
 
 
-def _nbytes(store: ts.TensorStore) -> int:
+def stored_nbytes(store: ts.TensorStore) -> int:
     return int(np.prod(store.shape, dtype=np.int64)) * store.dtype.numpy_dtype.itemsize
 
 
@@ -352,8 +357,7 @@ def restore_target(view: StepView, target: Any, context: ts.Context, budget: int
                                                  and w.sharding.is_fully_addressable):
             tasks.append((w, None))
         else:
-            # Slices are unhashable before Python 3.12: deduplicate on (start, stop) tuples.
-            indices = {_index_key(normalize_index(idx, w.shape)): normalize_index(idx, w.shape)
+            indices = {index_key(normalize_index(idx, w.shape)): normalize_index(idx, w.shape)
                        for idx in w.sharding.addressable_devices_indices_map(w.shape).values()}
             tasks.extend((w, indices[k]) for k in sorted(indices))
     blocks: dict[tuple[str, Any], np.ndarray] = {}
@@ -372,17 +376,13 @@ def restore_target(view: StepView, target: Any, context: ts.Context, budget: int
     def finish(task, fut):
         w, idx = task
         block = _read(view, w.name, fut)
-        blocks[(w.name, None if idx is None else _index_key(idx))] = block
+        blocks[(w.name, None if idx is None else index_key(idx))] = block
         remaining[w.name] -= 1
         if remaining[w.name] == 0:
             out[w.position] = _assemble(w, blocks)
 
     bounded(tasks, nbytes=nbytes, issue=issue, finish=finish, budget=budget)
     return jax.tree_util.tree_unflatten(treedef, out)
-
-
-def _index_key(index: tuple) -> tuple:
-    return tuple((s.start, s.stop) for s in index)
 
 
 def _assemble(w: _Want, blocks: dict) -> Any:
@@ -399,7 +399,7 @@ def _assemble(w: _Want, blocks: dict) -> Any:
     per_device, used = [], set()
     for device, index in w.sharding.addressable_devices_indices_map(w.shape).items():
         index = normalize_index(index, w.shape)
-        key = _index_key(index)
+        key = index_key(index)
         if whole is not None:
             block = whole if index == full_index(w.shape) else whole[index]
         else:

@@ -17,10 +17,9 @@ Errors of the background persist never kill training. The failed step is removed
 steps are untouched), the error is kept in :attr:`CheckpointStore.last_error`, and raised
 once by the next ``save`` (before queuing anything) or ``wait_until_finished``.
 
-Multi-process seam: :meth:`_persist` is split into what *every* process does (write its own
-shards into its own OCDBT database) and what only the *primary* does (merge, metadata,
-commit, retention), separated by ``coordinator.barrier`` calls. The default coordinator is
-single-process; a multi-process one only has to implement :class:`Coordinator`.
+Multi-process seam: the persist protocol (:mod:`.persist`) separates what *every* process
+does (write its own shards) from what only the *primary* does (merge, metadata, commit,
+retention) by ``coordinator.barrier`` calls (:mod:`.coordination`).
 """
 
 from __future__ import annotations
@@ -32,10 +31,11 @@ import logging
 import os
 import threading
 import time
-from typing import Any, Literal, Protocol
+from typing import Any, Literal
 
-from . import commit, hooks, layout, restore as _restore, retention, verify as _verify, writer
-from .errors import (CheckpointError, CheckpointNotFoundError, IncompleteCheckpointError,
+from . import commit, hooks, layout, persist, restore as _restore, retention, verify as _verify, writer
+from .coordination import Coordinator, SingleProcess, default_coordinator
+from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StepAlreadyExistsError, StoreClosedError, write_error)
 from .location import Location, open_location, root_context
 from .lock import DirectoryLock
@@ -48,36 +48,6 @@ Backpressure = Literal["drop_oldest", "block"]
 # ``history`` and ``dropped_steps`` keep this many recent entries: a job that checkpoints
 # every few steps for weeks must not grow without bound.
 _KEEP_RECORDS = 1000
-
-
-class Coordinator(Protocol):
-    """What the store needs to know about the job's processes (the multi-process seam).
-
-    ``barrier(name)`` is called by every process at the same points of each persist
-    (``created``, ``data``, ``committed``). An implementation must raise rather than hang
-    when another process failed (e.g. a timeout), so that the failure is reported like any
-    other persist error; wiring that to ``jax.distributed`` is left to its caller.
-    """
-
-    process_index: int
-    process_count: int
-
-    def is_primary(self) -> bool: ...
-
-    def barrier(self, name: str) -> None: ...
-
-
-class SingleProcess:
-    """The default coordinator: one process, which is also the primary."""
-
-    process_index = 0
-    process_count = 1
-
-    def is_primary(self) -> bool:
-        return True
-
-    def barrier(self, name: str) -> None:
-        return None
 
 
 @dataclasses.dataclass
@@ -129,7 +99,7 @@ class CheckpointStore:
         32 retries (many minutes); the error surfaces from the next ``save`` or
         ``wait_until_finished``. No effect on local paths.
       coordinator: process topology (see :class:`Coordinator`). Default: a
-        :class:`overlap_ckpt.distributed.JaxDistributedCoordinator` when ``jax.distributed``
+        :class:`overlap_ckpt.storage.coordination.JaxDistributedCoordinator` when ``jax.distributed``
         is initialized with more than one process, else single-process.
     """
 
@@ -154,7 +124,7 @@ class CheckpointStore:
         self.chunk_bytes = int(chunk_bytes)
         self.max_inflight_bytes = int(max_inflight_bytes)
         self.ocdbt_target_data_file_size = ocdbt_target_data_file_size
-        self._coord: Coordinator = coordinator or _default_coordinator() or SingleProcess()
+        self._coord: Coordinator = coordinator or default_coordinator() or SingleProcess()
         self._context = writer.make_context(root_context(), request_retries=max_request_retries)
         self.location: Location = open_location(directory, self._context)
         self._lock: DirectoryLock | None = None
@@ -208,9 +178,16 @@ class CheckpointStore:
         committed or queued; ``TypeError``/``ValueError`` for leaves that cannot be stored.
         """
         self._check_open()
+        self._raise_unreported()
+        self.put(step, tree, metadata)
+
+    def put(self, step: int, tree: Any, metadata: dict | None = None) -> None:
+        """Like :meth:`save`, but never refuses a step because an *earlier* one failed: those
+        errors stay for :meth:`take_errors` / :meth:`wait_until_finished`. This is the sink
+        contract of the overlap engine (:class:`overlap_ckpt.core.engine.Sink`)."""
+        self._check_open()
         if self.read_only:
             raise CheckpointError("This CheckpointStore was opened read_only=True; it cannot save.")
-        self._raise_unreported()
         if isinstance(step, bool) or not isinstance(step, int) or step < 0:
             raise ValueError(f"step must be a non-negative int, got {step!r}")
         metadata = _json_copy(metadata, step)
@@ -240,13 +217,35 @@ class CheckpointStore:
             self._ensure_worker()
             self._cv.notify_all()
 
-    def wait_until_finished(self) -> None:
-        """Block until every queued save is persisted (or failed); raise the first unreported error."""
+    def busy_steps(self) -> list[int]:
+        """Steps whose host copy this store still reads (queued or being persisted)."""
+        return self.pending_steps()
+
+    def take_errors(self) -> list[CheckpointError]:
+        """Background errors not reported yet (each one exactly once), oldest first."""
+        if not self._unreported:  # the common case, without the lock (once per training step)
+            return []
+        with self._cv:
+            errors = list(self._unreported)
+            self._unreported.clear()
+        return errors
+
+    def held_bytes(self) -> int:
+        """Bytes of the host copies this store references (queued or being persisted)."""
+        with self._cv:
+            return sum(p.nbytes for p in self._queue) + (self._in_flight.nbytes if self._in_flight else 0)
+
+    def flush(self) -> None:
+        """Block until every queued save is persisted or failed (errors stay for :meth:`take_errors`)."""
         with self._cv:
             while self._queue or self._in_flight is not None:
                 if self._worker is None or not self._worker.is_alive():
                     break
                 self._cv.wait()
+
+    def wait_until_finished(self) -> None:
+        """:meth:`flush`, then raise the oldest unreported error."""
+        self.flush()
         self._raise_unreported()
 
     def latest_step(self) -> int | None:
@@ -257,6 +256,38 @@ class CheckpointStore:
     def all_steps(self) -> list[int]:
         """Committed steps, ascending (partial steps are never listed)."""
         return commit.list_steps(self.location).complete
+
+    def latest_intact_step(self) -> int:
+        """The newest committed step whose metadata reads back; a damaged newer step is
+        skipped with a warning (restore it explicitly to see what is wrong with it)."""
+        complete = commit.list_steps(self.location).complete
+        if not complete:
+            self.check_not_foreign()
+            raise CheckpointNotFoundError(f"No complete checkpoint in {self.directory}.", path=self.directory)
+        for step in reversed(complete):
+            try:
+                _restore.open_step(self.location, step, layout.step_dir(step), self.item_name)
+            except CorruptCheckpointError as e:
+                log.warning("checkpoint step %d in %s is damaged (%s); falling back to an earlier step",
+                            step, self.directory, e)
+                continue
+            return step
+        raise CorruptCheckpointError(f"every checkpoint in {self.directory} is damaged ({complete}).",
+                                     path=self.directory)
+
+    def check_not_foreign(self) -> None:
+        """Raise when the directory holds no Orbax-layout step but looks like another
+        format's checkpoints (Flax ``checkpoint_N`` files...): starting from scratch there
+        would silently ignore the user's checkpoints."""
+        foreign = commit.foreign_checkpoints(self.location)
+        if foreign:
+            raise CheckpointNotFoundError(
+                f"{self.directory} holds no checkpoint in Orbax's CheckpointManager layout, but "
+                f"{len(foreign)} entries that look like checkpoints of another format "
+                f"({', '.join(foreign[:3])}). overlap_ckpt reads <step>/<item> directories written "
+                "by orbax.checkpoint.CheckpointManager or by itself; restore the old checkpoint "
+                "with the library that wrote it and save it here, or use another directory.",
+                path=self.directory)
 
     def incomplete_steps(self) -> list[int]:
         """Partial steps left on storage by a crash or failure (not the one being written now)."""
@@ -308,6 +339,11 @@ class CheckpointStore:
                     checks[s].fail(e)
         return _verify.VerifyReport(checks, listing.incomplete)
 
+    def release_lock(self) -> None:
+        """Give up the directory lock now (a process about to exit, so the next job may start)."""
+        if self._lock is not None:
+            self._lock.release()
+
     def close(self) -> None:
         """Finish queued saves, stop the worker and release the directory lock.
 
@@ -341,8 +377,8 @@ class CheckpointStore:
                 f"pending={self.pending_steps()})")
 
     @property
-    def _read_context(self):
-        """Alias kept for callers written when reads had their own context (overlap_ckpt.cli)."""
+    def context(self):
+        """The TensorStore context of this store's reads and writes (shared I/O limits)."""
         return self._context
 
     # -- internals ---------------------------------------------------------------------------
@@ -460,37 +496,15 @@ class CheckpointStore:
             self._unreported.append(err)
 
     def _persist(self, p: _Pending) -> None:
-        loc, coord = self.location, self._coord
-        work = commit.working_dir(loc, p.step)
-        item = f"{work}/{self.item_name}"
-        hooks.fire("start", step=p.step)
-        if coord.is_primary():
-            commit.delete_incomplete(loc, p.step)  # leftovers of an earlier crashed attempt
-            loc.make_dir(item)
-        coord.barrier(f"overlap_ckpt:{p.step}:created")
-        context = writer.step_context(self._context)
-        writer.write_process_shards(loc, item, coord.process_index, p.arrays, context,
-                                    step=p.step, batch_bytes=self.max_inflight_bytes,
-                                    target_data_file_size=self._data_file_size(p.nbytes))
-        hooks.fire("data_written", step=p.step)
-        coord.barrier(f"overlap_ckpt:{p.step}:data")
-        if coord.is_primary():
-            writer.merge_into_root(loc, item, context)
-            writer.write_item_metadata(loc, item, p.step, p.leaves, p.arrays, coord.process_count)
-            loc.write_bytes(f"{work}/{layout.STEP_METADATA}",
-                            layout.dumps(layout.step_metadata(p.metadata, p.created_ns, self.item_name)))
-            hooks.fire("metadata_written", step=p.step)
-            hooks.fire("before_commit", step=p.step)
-            commit.commit(loc, p.step)
-            with self._cv:
-                self._complete.add(p.step)
-            hooks.fire("committed", step=p.step)
-        coord.barrier(f"overlap_ckpt:{p.step}:committed")
+        persist.persist_step(
+            self.location, p.step, self.item_name, p.leaves, p.arrays,
+            layout.step_metadata(p.metadata, p.created_ns, self.item_name), self._context,
+            coordinator=self._coord, batch_bytes=self.max_inflight_bytes,
+            data_file_size=self.ocdbt_target_data_file_size, on_committed=self._mark_complete)
 
-    def _data_file_size(self, nbytes: int) -> int:
-        if self.ocdbt_target_data_file_size is not None:
-            return int(self.ocdbt_target_data_file_size)
-        return writer.auto_data_file_size(nbytes)
+    def _mark_complete(self, step: int) -> None:
+        with self._cv:
+            self._complete.add(step)
 
     def _after_commit(self, step: int) -> None:
         """Retention and cleanup, strictly after a successful commit."""
@@ -505,11 +519,6 @@ class CheckpointStore:
         for s in listing.incomplete:
             commit.delete_incomplete(self.location, s)
         hooks.fire("retention", step=step, deleted=doomed)
-
-
-def _default_coordinator() -> Coordinator | None:
-    from ..distributed import default_coordinator  # lazy: overlap_ckpt.distributed imports us
-    return default_coordinator()
 
 
 def _json_copy(metadata: dict | None, step: int) -> dict | None:

@@ -17,7 +17,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
-from ..hostarray import HostArray, HostShard, normalize_index
+from ..hostarray import HostArray, HostShard, extent, normalize_index
 
 KEY_SEQUENCE = 1
 KEY_DICT = 2
@@ -130,13 +130,7 @@ def as_host_array(value: Any, where: str = "leaf") -> HostArray:
     if isinstance(value, HostArray):
         return _checked(value, where)
     if isinstance(value, jax.Array):
-        if jax.dtypes.issubdtype(value.dtype, jax.dtypes.prng_key):
-            raise TypeError(f"{where}: typed PRNG key arrays cannot be stored; save "
-                            "jax.random.key_data(key) and wrap it again after restore.")
-        shape = tuple(value.shape)
-        shards = [HostShard(normalize_index(s.index, shape), np.asarray(s.data))
-                  for s in value.addressable_shards if s.replica_id == 0]
-        return _checked(HostArray(shape, np.dtype(value.dtype), shards), where)
+        return _checked(HostArray.from_jax(value, copy=False, where=where), where)
     if isinstance(value, (np.ndarray, np.generic, bool, int, float, complex)):
         array = np.asarray(value)
         if array.dtype.kind in "OUSMm":
@@ -155,11 +149,10 @@ def _checked(host: HostArray, where: str) -> HostArray:
     shards = []
     for shard in host.shards:
         index = normalize_index(shard.index, shape)
-        extent = tuple(s.stop - s.start for s in index)
         data = np.asarray(shard.data)
-        if data.shape != extent or data.dtype != dtype:
+        if data.shape != extent(index) or data.dtype != dtype:
             raise ValueError(f"{where}: shard {index} holds {data.shape} {data.dtype}, expected "
-                             f"{extent} {dtype} for a HostArray of shape {shape}.")
+                             f"{extent(index)} {dtype} for a HostArray of shape {shape}.")
         shards.append(HostShard(index, data))
     return HostArray(shape, dtype, shards)
 

@@ -16,7 +16,7 @@ import tensorstore as ts
 
 from .errors import CheckpointError, read_error
 from .location import Location
-from .restore import PendingRead, _nbytes, bounded, open_arrays, open_step
+from .restore import PendingRead, bounded, open_arrays, open_step, stored_nbytes
 
 
 @dataclasses.dataclass
@@ -105,13 +105,13 @@ def verify_step(location: Location, step: int, step_rel: str, item_name: str, co
             check.checksummed = False
         try:
             fut.result()
-            check.bytes += _nbytes(store)
+            check.bytes += stored_nbytes(store)
         except Exception:  # noqa: BLE001 - localized chunk by chunk below
             _localize(view, name, store, check)
 
     names = sorted(stores)
     try:
-        bounded(names, nbytes=lambda n: _nbytes(stores[n]),
+        bounded(names, nbytes=lambda n: stored_nbytes(stores[n]),
                 issue=lambda n: PendingRead(stores[n], stores[n].dtype.numpy_dtype), finish=finish,
                 budget=budget)
     except CheckpointError as e:  # e.g. an absurd shape refused before allocation

@@ -1,8 +1,8 @@
 """Reliability suite of overlap_ckpt: SIGKILL at every stage, injected I/O faults, corruption
 after the fact, crafted metadata, a memory soak and graceful shutdown on SIGTERM.
 
-``OUTCOMES`` collects one row per fault tried (filled by the tests, printed by
-``test_zz_report.py`` at the end of the suite).
+``OUTCOMES`` collects one row per fault tried (filled by the tests, printed at the end of
+the run by the hook in ``conftest.py``).
 """
 
 from __future__ import annotations

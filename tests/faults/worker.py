@@ -47,7 +47,7 @@ def make_state(seed: int = 0):
     import jax.numpy as jnp
     import optax
 
-    from overlap_ckpt.flax_linen import TrainState
+    from overlap_ckpt.doors.linen import TrainState
 
     rng = np.random.default_rng(seed)
     params = {layer: {k: jnp.asarray(rng.standard_normal(s, dtype=np.float32) * 0.3)
@@ -169,7 +169,13 @@ def run(directory, steps: int, *, seed: int = 0, resume: bool = False, ref_dir=N
     if parsed and parsed[0] == "killsubmit":
         kill_submit = (int(parsed[1][0]), int(parsed[1][1]))
     losses, errors, reported = {}, [], 0
+    from overlap_ckpt.errors import CheckpointError
     from overlap_ckpt.storage import CheckpointStore
+
+    def record(error: BaseException) -> None:
+        errors.append({"type": type(error).__name__, "errno": getattr(error, "errno", None),
+                       "step": getattr(error, "step", None), "msg": str(error)})
+        emit(ev="error", **errors[-1])
 
     # "block": every window's checkpoint is persisted (the engine thread waits, never the
     # training thread), so which steps exist at a kill point is deterministic.
@@ -184,13 +190,18 @@ def run(directory, steps: int, *, seed: int = 0, resume: bool = False, ref_dir=N
         if resume:
             emit(ev="resumed", step=start)
         for t in range(start, steps):
-            phase = state.ckpt_phase
+            phase = getattr(state.ckpt_window, "phase", None)  # the window phase this step captures
             if kill_submit and phase == 0 and t - phase + mngr.engine.schedule.k - 1 == kill_submit[1]:
                 mngr.wait_until_finished()  # what is committed before the kill is then known
                 emit(ev="settled", steps=mngr.all_steps())
             x, y = batch(seed, t)
             state, loss = train_step(state, x, y)
-            state = mngr.step(state)
+            try:
+                state = mngr.step(state)
+            except CheckpointError as e:  # a failed background checkpoint: note it, keep training
+                for failure in e.failures:
+                    record(failure.error)
+                state = mngr.step(state)
             losses[t] = loss_bits(loss)
             emit(ev="step", t=t, loss=losses[t], phase=phase)
             if ref_dir is not None and (t + 1) % INTERVAL == 0:
@@ -211,10 +222,9 @@ def run(directory, steps: int, *, seed: int = 0, resume: bool = False, ref_dir=N
     finally:
         try:
             mngr.close()
-        except Exception as e:  # noqa: BLE001 - reported, as a training loop would log it
-            errors.append({"type": type(e).__name__, "errno": getattr(e, "errno", None),
-                           "step": getattr(e, "step", None), "msg": str(e)})
-            emit(ev="error", **errors[-1])
+        except CheckpointError as e:  # reported, as a training loop would log it
+            for error in [f.error for f in e.failures] or [e]:
+                record(error)
     for rec in mngr.store.history[reported:]:
         emit(ev="commit", step=rec.step)
     result = {"losses": losses, "start": start, "errors": errors,

@@ -1,0 +1,142 @@
+"""Host copies of a train state: blocks allocated once, and the copy of captured pieces in.
+
+A :class:`HostBuffers` holds every block this process keeps of every leaf (replica 0 of
+each shard), keyed by its global index. Captured pieces arrive as pinned-host jax Arrays
+whose shards are row ranges of those blocks (:func:`store_piece`), or whole leaves in
+whatever layout XLA returned them (:func:`store_whole`).
+"""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+
+from ..errors import WindowAborted
+from ..hostarray import HostArray, HostShard, IndexKey, extent, index_from_key, index_key, normalize_index
+from .plan import CapturePlan, LeafLayout
+from .slicing import Piece
+
+BlockKey = IndexKey
+
+
+class LeafBlocks:
+    """The host blocks of one leaf, by global index key.
+
+    A block is either *owned* (allocated here on first write, kept and reused across
+    windows: copying into memory already touched avoids a page fault per page) or
+    *adopted*: a read-only view of a captured host array that no replay will write (the
+    last slice of a window, shared leaves and extras at the last phase). Adopting hands
+    the captured copy to storage as is, saving one full copy of it; with K=1 no block is
+    ever copied.
+    """
+
+    def __init__(self, layout: LeafLayout):
+        self.layout = layout
+        self._owned: dict[BlockKey, np.ndarray] = {}
+        self._adopted: dict[BlockKey, np.ndarray] = {}
+
+    def __getitem__(self, key: BlockKey) -> np.ndarray:
+        """The owned block to read or write (allocated on first use)."""
+        if key in self._adopted:
+            raise WindowAborted(f"host block {key} of a leaf of shape {self.layout.shape} was handed over "
+                                "as captured and cannot be written")
+        block = self._owned.get(key)
+        if block is None:
+            block = self._owned[key] = np.zeros(extent(index_from_key(key)), self.layout.dtype)
+        return block
+
+    def adopt(self, key: BlockKey, data: np.ndarray) -> None:
+        self._adopted[key] = data
+
+    def current(self) -> dict[BlockKey, np.ndarray]:
+        """Every block as it holds now (adopted views where adopted)."""
+        return {key: self._adopted.get(key) if key in self._adopted else self[key]
+                for key in map(index_key, self.layout.blocks)}
+
+    def release_views(self) -> None:
+        self._adopted.clear()
+
+    @property
+    def owned_bytes(self) -> int:
+        return sum(b.nbytes for b in self._owned.values())
+
+
+class HostBuffers:
+    """One host copy of a train state: every block this process keeps (see :class:`LeafBlocks`)."""
+
+    def __init__(self, plan: CapturePlan):
+        self.plan = plan
+        self.params = [LeafBlocks(l) for l in plan.params]
+        self.state = [LeafBlocks(l) for l in plan.state]
+        self.extras = [LeafBlocks(l) for l in plan.extras]
+
+    def leaves(self):
+        return (*self.params, *self.state, *self.extras)
+
+    def release_views(self) -> None:
+        """Drop adopted views (before reuse: the captured arrays may then be freed)."""
+        for leaf in self.leaves():
+            leaf.release_views()
+
+    @property
+    def nbytes(self) -> int:
+        return sum(leaf.owned_bytes for leaf in self.leaves())
+
+
+def host_array(blocks: LeafBlocks) -> HostArray:
+    shards = [HostShard(index_from_key(key), data) for key, data in blocks.current().items()]
+    return HostArray(blocks.layout.shape, blocks.layout.dtype, shards)
+
+
+def replicated_value(x: jax.Array) -> np.ndarray:
+    """The value of a replicated (scalar-like) array from this process's first copy."""
+    return np.asarray(x.addressable_shards[0].data)
+
+
+def store_piece(blocks: LeafBlocks, captured: jax.Array, piece: Piece, *, adopt: bool = False) -> None:
+    """Copy a captured piece (pinned-host array) into the host blocks it belongs to; with
+    ``adopt``, a piece that is a whole block is kept as a view instead."""
+    layout = blocks.layout
+    if piece.start == 0 and piece.stop == layout.rows and tuple(captured.shape) == layout.shape:
+        store_whole(blocks, captured, adopt=adopt)
+        return
+    for shard in captured.addressable_shards:
+        if shard.replica_id != 0:
+            continue
+        out_index = normalize_index(shard.index, captured.shape)
+        dest = blocks[index_key(layout.block_of(out_index, piece))]
+        if layout.shape:
+            dest = dest[piece.start:piece.stop]
+        np.copyto(dest, np.asarray(shard.data), casting="no")
+
+
+def store_whole(blocks: LeafBlocks, captured: jax.Array, *, adopt: bool = False) -> None:
+    """Copy a whole captured leaf into the host blocks, by overlap of global indices.
+
+    The captured array may come back in another layout than planned: when a step returns
+    an input buffer unchanged, XLA propagates shardings through the pass-through and the
+    requested output sharding is not applied (a replicated Adam moment comes back sharded
+    like its parameter). Copying by overlap works for any layout; every block must end up
+    covered exactly once, or this process did not receive all it has to keep.
+    """
+    layout = blocks.layout
+    shards = [(index_key(normalize_index(s.index, captured.shape)), s.data)
+              for s in captured.addressable_shards if s.replica_id == 0]
+    exact = dict(shards)
+    for key in map(index_key, layout.blocks):
+        if adopt and key in exact:
+            blocks.adopt(key, np.asarray(exact[key]).reshape(extent(index_from_key(key))))
+            continue
+        dest = blocks[key]
+        filled = 0
+        for src_key, data in shards:
+            overlap = [(max(a, c), min(b, d)) for (a, b), (c, d) in zip(key, src_key)]
+            if any(lo >= hi for lo, hi in overlap):
+                continue
+            dest[tuple(slice(lo - a, hi - a) for (lo, hi), (a, _) in zip(overlap, key))] = \
+                np.asarray(data)[tuple(slice(lo - c, hi - c) for (lo, hi), (c, _) in zip(overlap, src_key))]
+            filled += int(np.prod([hi - lo for lo, hi in overlap]))
+        if filled != dest.size:
+            raise WindowAborted(
+                f"captured leaf of shape {layout.shape} covers {filled} of the {dest.size} elements "
+                f"of host block {key}; its shards are not where this process expects them.")

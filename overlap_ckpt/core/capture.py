@@ -1,0 +1,240 @@
+"""Device side: what a jitted train step does in a window phase, and nothing outside one.
+
+A step learns that it is in a window from a :class:`WindowTicket` that rides into it in
+the train state (where the outbox comes back out). The ticket is a *static* pytree node:
+it has no leaves, so it changes nothing the step computes on, but it is part of the
+argument's tree structure, so ``jax.jit`` compiles one variant per window phase and
+reuses it. Outside a window the state carries ``None`` there and the step is the user's
+own program, untouched.
+
+The outbox of phase ``j`` of a K-step window (:class:`Outbox`):
+
+* ``state``: slice ``j`` of the input params and the optimizer-state leaves they own;
+* ``shared``: the shared optimizer-state leaves (counters, hyperparameters), whole;
+* ``grads`` (j < K-1): this step's gradient pieces for slices ``0..j``;
+* ``globals`` (j < K-1): the scalars the host cannot recompute from slices;
+* ``extras`` (j = K-1): everything else in the train state, taken at the target version
+  (in the step when the step sees them unchanged, as Linen's ``apply_gradients`` does; by
+  the door just before the step otherwise, see :func:`overlap_ckpt.core.fallback.capture_before_step`).
+
+The copies read the step's *input* buffers inside the same program, so donation stays
+correct, and they are placed in the plan's host memory kind (``pinned_host``) so XLA
+schedules them as asynchronous device-to-host copies beside the step's compute.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import optax
+from jax.sharding import NamedSharding, PartitionSpec
+
+from . import scalars
+from .interp import interpret
+from .plan import CapturePlan, LeafLayout
+from .separability import flat_update_fn, input_tokens, optax_update_fn
+from .slicing import Piece
+
+
+@jax.tree_util.register_static
+@dataclasses.dataclass(frozen=True)
+class WindowTicket:
+    """Tells a train step to capture ``phase`` of a window planned by ``plan``."""
+
+    plan: CapturePlan
+    phase: int
+    capture: bool = True  # False: run the window's update, copy nothing (a skipped window)
+
+    def __post_init__(self) -> None:
+        if not 0 <= self.phase < self.plan.k:
+            raise ValueError(f"window phase {self.phase} outside 0..{self.plan.k - 1}")
+
+    @property
+    def last(self) -> bool:
+        return self.phase == self.plan.k - 1
+
+    def __repr__(self) -> str:
+        return (f"WindowTicket(phase {self.phase} of {self.plan.k}"
+                f"{'' if self.capture else ', no capture'}, {self.plan!r})")
+
+
+@dataclasses.dataclass
+class Outbox:
+    """The host copies one window step produced (see the module docstring)."""
+
+    ticket: WindowTicket
+    state: list[jax.Array]
+    shared: list[jax.Array]
+    grads: list[jax.Array]
+    globals: list[jax.Array]
+    extras: list[jax.Array]
+
+    def map(self, fn: Callable[[jax.Array], Any]) -> "Outbox":
+        """The same outbox with ``fn`` applied to every array (a door's view of its arrays)."""
+        return jax.tree.map(fn, self)
+
+
+jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads", "globals", "extras"],
+                                 meta_fields=["ticket"])
+
+
+def to_host(x: jax.Array, layout: LeafLayout, plan: CapturePlan,
+            sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+    """``x`` placed in the plan's outbox memory, keeping its device layout (per-shard copies).
+
+    A plan without an outbox memory kind (``jax.pmap``, whose outputs always live in device
+    memory) leaves the array where it is; the door copies it to the host after the step.
+    """
+    if plan.outbox_memory is None:
+        return x
+    sharding = sharding or layout.sharding
+    return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
+
+
+def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan) -> jax.Array:
+    """Rows ``[start, stop)`` of every local block of ``x``, moved to the outbox memory.
+
+    When axis 0 is sharded, the rows are taken inside each shard with ``shard_map`` so no
+    device exchanges data; the result keeps the leaf's sharding.
+    """
+    if not layout.shape or (piece.start == 0 and piece.stop == layout.rows):
+        return to_host(x, layout, plan)
+    sharding = layout.sharding
+    if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
+        spec = sharding.spec
+        local = jax.shard_map(lambda block: block[piece.start:piece.stop], mesh=sharding.mesh,
+                              in_specs=spec, out_specs=spec)
+        return to_host(local(x), layout, plan, NamedSharding(sharding.mesh, spec))
+    return to_host(x[piece.start:piece.stop], layout, plan)
+
+
+def scalar_host_sharding(plan: CapturePlan) -> jax.sharding.Sharding | None:
+    """Where global scalars go: replicated over the state's mesh, in the outbox memory."""
+    if plan.outbox_memory is None:
+        return None
+    sharding = plan.params[0].sharding
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=plan.outbox_memory)
+    return sharding.with_memory_kind(plan.outbox_memory)
+
+
+def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, Any, list[jax.Array]]:
+    """Run the user's update while recording the global scalars the host will need."""
+    params_leaves = jax.tree.leaves(params)
+    state_leaves = jax.tree.leaves(opt_state)
+    flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
+    n, m = len(params_leaves), len(state_leaves)
+    outs, interp = interpret(flat, "record", [*params_leaves, *state_leaves, *jax.tree.leaves(grads)],
+                             input_tokens(n, m))
+    values = [o.value for o in outs]
+    return (jax.tree.unflatten(plan.params_def, values[:n]),
+            jax.tree.unflatten(plan.state_def, values[n:]), interp.cuts)
+
+
+def isolated_gradients(plan: CapturePlan, step: Any, grads):
+    """``grads`` as a materialised buffer, so that XLA cannot fuse the backward pass into
+    the update that reads them.
+
+    Otherwise XLA duplicates the gradient computation into the update's fusions and rounds
+    it differently from the gradient copy it ships to the host, and the host replay (where
+    the gradient is an input) is off by an ulp. GPU/TPU compilers honour an optimization
+    barrier. XLA:CPU removes barriers before fusion, so there the gradients go through a
+    conditional on a runtime predicate that is always true (:func:`always_true`), whose
+    taken branch is the identity: a conditional's result is a materialised buffer. Only the
+    gradients are copied; the update stays in the step and writes the donated state in
+    place. (A conditional around the whole update cannot alias donated buffers: it copied
+    every state leaf, about 9% of a 20M-parameter LM's step on the CPU.)
+    """
+    if plan.platform != "cpu":
+        return jax.lax.optimization_barrier(grads)
+    if step is None:
+        raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
+    return jax.lax.cond(always_true(step), lambda g: g, lambda g: jax.tree.map(jnp.negative, g), grads)
+
+
+def always_true(step: Any) -> jax.Array:
+    """A predicate that is true at run time but that XLA cannot fold to a constant.
+
+    ``step >= 0`` is folded for unsigned counters (NNX's ``uint32`` step), which silently
+    removes the conditional and with it the isolation. ``step`` is a training step counter:
+    it never reaches its dtype's largest value.
+    """
+    step = jnp.asarray(step)
+    if not jnp.issubdtype(step.dtype, jnp.integer):
+        raise TypeError(f"the step counter must be an integer array, got {step.dtype}")
+    return step != jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
+
+
+def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None, params, opt_state,
+                   grads, extras: Any = None, *, step: Any = None) -> tuple[Any, Any, Outbox | None]:
+    """The optimizer update of a train step, plus the outbox of the ticket's window phase.
+
+    Call inside ``jit``. Without a ticket (outside a window) this is exactly the user's
+    update, ``optax.apply_updates(params, tx.update(grads, opt_state, params))``, with
+    nothing added, and the outbox is None. In the window phases whose gradients the host
+    replays (all but the last), ``step`` (the runtime step counter) lets the CPU backend
+    isolate the gradients from the backward pass (:func:`isolated_gradients`): those steps
+    may differ from the same step without checkpointing in the last bits, while the
+    checkpoint equals the live state of its version bit for bit.
+    """
+    if ticket is None:
+        new_params, new_state = optax_update_fn(tx)(params, opt_state, grads)
+        return new_params, new_state, None
+    plan = ticket.plan
+    if plan.tx is not tx:
+        raise ValueError("capture_update: the ticket was planned for another optax transformation "
+                         "than the one given; plan with the optimizer the step uses")
+    cuts: list = []
+    if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
+        new_params, new_state = plan.update(params, opt_state, grads)
+    else:
+        grads = isolated_gradients(plan, step, grads)
+        if plan.analysis.n_globals:
+            new_params, new_state, cuts = recorded_update(plan, params, opt_state, grads)
+        else:
+            new_params, new_state = plan.update(params, opt_state, grads)
+    if not ticket.capture:
+        # The same update as a captured step (its scalars stay outputs, so XLA compiles the
+        # update the same way), without copies: the trajectory does not depend on skips.
+        return new_params, new_state, Outbox(ticket, [], [], [], scalars.pack(cuts), [])
+    outbox = capture_state(ticket, params, opt_state, extras)
+    if not ticket.last:
+        outbox.grads, outbox.globals = capture_grads(ticket, grads, cuts)
+    return new_params, new_state, outbox
+
+
+def capture_state(ticket: WindowTicket, params, opt_state, extras: Any) -> Outbox:
+    """The state part of an outbox: slice ``phase`` of the (input) params and the state
+    leaves they own, the shared state leaves, and at the last phase the extras."""
+    plan, phase = ticket.plan, ticket.phase
+    params_leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
+    captured = []
+    for piece in plan.slicing.slices[phase]:
+        captured.append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece, plan))
+        for j in plan.analysis.owned_state(piece.leaf):
+            captured.append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece), plan))
+    shared = [to_host(state_leaves[j], plan.state[j], plan) for j in plan.analysis.shared_state]
+    extras_out = []
+    if ticket.last and extras is not None:
+        extras_out = capture_extras(ticket, extras)
+    return Outbox(ticket, captured, shared, [], [], extras_out)
+
+
+def capture_extras(ticket: WindowTicket, extras: Any) -> list[jax.Array]:
+    """The extras of the target version, in host memory (the last phase's share)."""
+    plan = ticket.plan
+    return [to_host(x, layout, plan) for x, layout in zip(jax.tree.leaves(extras), plan.extras)]
+
+
+def capture_grads(ticket: WindowTicket, grads, cuts: list) -> tuple[list, list]:
+    """The gradient pieces slices ``0..phase`` need, and the packed global scalars."""
+    plan = ticket.plan
+    grads_leaves = jax.tree.leaves(grads)
+    pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p, plan)
+              for p in plan.slicing.pieces_upto(ticket.phase)]
+    host = scalar_host_sharding(plan)
+    packed = scalars.pack(cuts)
+    return pieces, packed if host is None else [jax.device_put(x, host) for x in packed]

@@ -1,0 +1,358 @@
+"""The overlapped checkpoint engine: plans windows, replays them on the host, hands off.
+
+The engine is framework-neutral. A training loop (or a door: Flax ``TrainState``, NNX
+optimizer, :class:`overlap_ckpt.CheckpointManager`) asks it for the :class:`WindowTicket`
+of each step (None outside windows), runs :func:`overlap_ckpt.capture_update` inside its
+jitted step, and passes the outbox back with :meth:`OverlapEngine.submit`. A background
+thread waits for the host copies, replays, and puts the consistent state of V into the
+sink. The training thread never waits on it.
+
+Failures of a window (a replay error, a sink that refuses a step) are kept, one record
+per failed version, and handed to the training thread by :meth:`OverlapEngine.take_failures`
+or raised by :meth:`OverlapEngine.wait_until_finished`; none is dropped.
+"""
+
+from __future__ import annotations
+
+import collections
+import dataclasses
+import logging
+import queue
+import threading
+import time
+from typing import Any, Callable, Collection, Protocol
+
+import optax
+
+from ..errors import UnsupportedOptimizerError, WindowAborted
+from .buffers import HostBuffers
+from . import backend
+from .capture import Outbox, WindowTicket
+from .plan import CapturePlan, make_plan
+from .replay import ReplayPrograms, WindowReplay
+from .schedule import WindowSchedule, WindowTracker
+
+log = logging.getLogger(__name__)
+
+
+class Sink(Protocol):
+    """Receives the consistent host state of version ``step`` (trees of HostArray).
+
+    ``put`` queues the tree (or raises for *this* step only: a step already saved, a tree
+    that cannot be stored); it never refuses a step because an earlier one failed.
+    ``busy_steps`` names the steps whose host copy the sink still reads: the engine reuses
+    the buffers of a step once it is no longer busy.
+    """
+
+    def put(self, step: int, tree: Any, metadata: dict | None = None) -> None: ...
+
+    def busy_steps(self) -> Collection[int]: ...
+
+
+class MemorySink:
+    """Keeps checkpoints in a dict; for tests and for callers that persist themselves."""
+
+    def __init__(self) -> None:
+        self.saved: dict[int, tuple[Any, dict | None]] = {}
+
+    def put(self, step: int, tree: Any, metadata: dict | None = None) -> None:
+        self.saved[step] = (tree, metadata)
+
+    def busy_steps(self) -> Collection[int]:
+        return self.saved.keys()  # kept for good: never reused
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowFailure:
+    """A checkpoint that was not taken: its version, the stage that failed, the cause."""
+
+    step: int
+    stage: str  # "replay" (capture or host replay) or "handoff" (the sink refused it)
+    error: BaseException
+
+    def __str__(self) -> str:
+        return f"step {self.step} ({self.stage}): {type(self.error).__name__}: {self.error}"
+
+
+class BufferPool:
+    """Host copies of the state, reused across windows once the sink is done with them.
+
+    Reuse matters: copying into freshly allocated memory page-faults on every page, which
+    on a small host runs several times slower than copying into memory already touched.
+    A lent copy may also hold views of captured arrays (see :class:`LeafBlocks`); they are
+    released as soon as the sink is done, so host memory holds one copy between windows.
+    """
+
+    def __init__(self, sink: Sink, max_free: int = 1):
+        self.sink = sink
+        self.max_free = max_free
+        self._lock = threading.Lock()
+        self._lent: list[tuple[int, HostBuffers]] = []  # (step, buffers) handed to the sink
+
+    def acquire(self, plan: CapturePlan) -> HostBuffers:
+        busy = set(self.sink.busy_steps())
+        with self._lock:
+            for i, (step, buffers) in enumerate(self._lent):
+                if step not in busy and buffers.plan == plan:
+                    del self._lent[i]
+                    buffers.release_views()
+                    return buffers
+        return HostBuffers(plan)
+
+    def lend(self, step: int, buffers: HostBuffers) -> None:
+        """Record that ``buffers`` were handed to the sink for ``step``."""
+        with self._lock:
+            self._lent.append((step, buffers))
+            del self._lent[:-self.max_free]
+
+    def release_idle(self) -> None:
+        """Drop the captured arrays that copies the sink is done with still reference."""
+        busy = set(self.sink.busy_steps())
+        with self._lock:
+            for step, buffers in self._lent:
+                if step not in busy:
+                    buffers.release_views()
+
+
+Combine = Callable[[Any, Any, Any], Any]
+
+
+def default_combine(params, opt_state, extras) -> dict:
+    """The saved tree when the caller does not give its own structure."""
+    return {"params": params, "opt_state": opt_state, "extras": extras}
+
+
+@dataclasses.dataclass
+class _Phase:
+    step: int
+    outbox: Outbox
+    programs: ReplayPrograms
+    metadata: dict | None
+
+
+class OverlapEngine:
+    """Runs K-step windows every ``interval`` steps for one optax transformation.
+
+    Args:
+      tx: the optimizer the train step applies.
+      sink: where consistent host copies go (:class:`overlap_ckpt.storage.CheckpointStore`,
+        :class:`MemorySink`, the Orbax door's ``HostCopySink``).
+      interval, window: checkpoint every ``interval`` steps, spread over ``window`` steps.
+      chunk_leaves: None splits leaves into row chunks when the update allows it.
+      combine: builds the saved tree from (params, opt_state, extras).
+      outbox_memory: memory kind of the in-graph copies (default: the backend's host memory;
+        None: device memory, for pmap).
+    """
+
+    def __init__(self, tx: optax.GradientTransformation, sink: Sink, *, interval: int, window: int = 1,
+                 chunk_leaves: bool | None = None, combine: Combine = default_combine,
+                 outbox_memory: str | None = backend.HOST_MEMORY):
+        self.tx = tx
+        self.sink = sink
+        self.windows = WindowTracker(WindowSchedule.clamped(interval, window))
+        self.chunk_leaves = chunk_leaves
+        self.combine = combine
+        self.outbox_memory = backend.outbox_memory(outbox_memory)
+        self.plan: CapturePlan | None = None
+        self._programs: dict[CapturePlan, ReplayPrograms] = {}
+        self._queue: queue.Queue = queue.Queue()
+        self._pool = BufferPool(sink)
+        self._failures: collections.deque[WindowFailure] = collections.deque()
+        self.windows_completed = 0
+        self.windows_aborted = 0
+        self.replay_seconds = 0.0  # host time spent receiving and replaying phases
+        self.replayed_bytes = 0  # state bytes advanced by replay, over completed windows
+        # Optional timeline hook (benchmarks): set to a list to get one
+        # (step, phase, start, end) tuple of time.perf_counter() per received phase.
+        self.spans: list | None = None
+        self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
+        self._worker.start()
+
+    # -- training thread ----------------------------------------------------------------
+    @property
+    def schedule(self) -> WindowSchedule:
+        return self.windows.schedule
+
+    def phase(self, step: int) -> int | None:
+        """The window phase of ``step`` (None outside windows)."""
+        return self.windows.phase(step)
+
+    def ticket(self, step: int) -> WindowTicket | None:
+        """What the jitted step of ``step`` takes in place of an outbox: None outside windows.
+
+        Every step of a scheduled window gets a ticket, even one whose window this run does
+        not capture (see :class:`WindowTracker`); :meth:`submit` drops what is not wanted.
+        Needs a plan (:meth:`plan_for`); at phase 0 of every window, call :meth:`plan_for`
+        with the current state first if its structure may have changed.
+        """
+        phase = self.windows.phase(step)
+        if phase is None:
+            return None
+        if self.plan is None:
+            raise RuntimeError("OverlapEngine.ticket: no plan yet; call plan_for(params, opt_state, extras)")
+        version = self.schedule.version(step, phase)
+        return WindowTicket(self.plan, phase, capture=not self.windows.is_skipped(version))
+
+    def start(self, step: int) -> None:
+        """A run starts (or resumes) at ``step``: a window already under way is not captured.
+        A new run has no window open: a partial one of a previous run is discarded."""
+        self._queue.put(("abort", f"training restarted at step {step}"))
+        self.windows.restart(step)
+
+    def set_window(self, window: int) -> None:
+        """Use windows of ``window`` steps from the next window on (e.g. once auto-K has
+        measured the step); the next :meth:`plan_for` re-plans for it."""
+        self.windows.schedule = WindowSchedule.clamped(self.schedule.interval, window)
+        self.plan = None
+
+    def plan_for(self, params, opt_state, extras=None) -> CapturePlan:
+        """The plan for this state, re-planned when its structure, shapes or dtypes changed.
+
+        A new plan is rehearsed on the host (every phase's replay, on zeros of the real
+        shapes) before it is used, so an optimizer that cannot be replayed is refused here.
+        """
+        if self.plan is not None:
+            why = self.plan.matches(params, opt_state, extras)
+            if why is None:
+                return self.plan
+            log.warning("train state changed (%s); the open window is discarded and the next one re-planned", why)
+            self._queue.put(("abort", "the train state changed"))
+        def plan_with(chunk_leaves):
+            return make_plan(self.tx, params, opt_state, extras, self.schedule.k,
+                             chunk_leaves=chunk_leaves, outbox_memory=self.outbox_memory)
+
+        plan = plan_with(self.chunk_leaves)
+        try:
+            self._rehearse(plan)
+        except Exception as e:  # noqa: BLE001 - any failure here means: cannot replay this way
+            if not plan.chunked:
+                raise _unreplayable(e) from e
+            log.info("row-chunked replay is not exact for this optimizer (%s); using whole-leaf slices", _short(e))
+            plan = plan_with(False)
+            try:
+                self._rehearse(plan)
+            except Exception as e2:  # noqa: BLE001
+                raise _unreplayable(e2) from e2
+        if plan.k != self.schedule.k:  # fewer rows than steps: the schedule adopts the plan's K
+            self.windows.schedule = WindowSchedule(self.schedule.interval, plan.k)
+        self.plan = plan
+        return plan
+
+    def _rehearse(self, plan: CapturePlan) -> None:
+        programs = self._programs.get(plan)
+        if programs is None:
+            programs = ReplayPrograms(plan)
+            programs.rehearse()
+        self._programs = {plan: programs}  # phases in flight hold their own reference
+
+    def submit(self, step: int, outbox: Outbox, metadata: dict | None = None) -> bool:
+        """Hand a step's outbox to the host worker and return at once; False when the outbox
+        is not wanted (a window this run does not capture) and was dropped."""
+        ticket = outbox.ticket
+        if not ticket.capture or not self.windows.captures(step, ticket.phase):
+            return False
+        programs = self._programs.get(ticket.plan)
+        if programs is None:
+            raise RuntimeError("OverlapEngine.submit: the outbox was captured with a plan this engine "
+                               "did not make (use the engine's ticket for the step)")
+        self._queue.put(("phase", _Phase(step, outbox, programs, metadata)))
+        return True
+
+    def release_idle_buffers(self) -> None:
+        """Free the host memory of copies the sink has finished with (before a new window)."""
+        self._pool.release_idle()
+
+    def take_failures(self) -> list[WindowFailure]:
+        """Failures recorded since the last call (each one exactly once), oldest first."""
+        out = []
+        while self._failures:
+            out.append(self._failures.popleft())
+        return out
+
+    def flush(self) -> None:
+        """Block until every submitted phase is processed (failures stay recorded)."""
+        done = threading.Event()
+        self._queue.put(("flush", done))
+        done.wait()
+
+    def wait_until_finished(self) -> None:
+        """:meth:`flush`, then raise the oldest unreported failure (the others stay for
+        :meth:`take_failures`)."""
+        self.flush()
+        if self._failures:
+            raise self._failures.popleft().error
+
+    def close(self) -> None:
+        if self._worker.is_alive():
+            self._queue.put(("stop", None))
+            self._worker.join()
+
+    # -- worker thread ------------------------------------------------------------------
+    def _run(self) -> None:
+        window: WindowReplay | None = None
+        while True:
+            kind, item = self._queue.get()
+            if kind == "stop":
+                return
+            if kind == "flush":
+                item.set()
+                continue
+            if kind == "abort":
+                window = self._abort(window, item)
+                continue
+            ticket = item.outbox.ticket
+            version = WindowSchedule(self.schedule.interval, ticket.plan.k).version(item.step, ticket.phase)
+            try:
+                if ticket.phase == 0:
+                    if window is not None:
+                        self._abort(window, f"a new window for step {version} started")
+                    window = WindowReplay(ticket.plan, self._pool.acquire(ticket.plan), version, item.programs)
+                if window is None or window.plan != ticket.plan or window.version != version:
+                    continue  # joined mid-window (e.g. after a resume): wait for the next one
+                start = time.perf_counter()
+                window.receive(item.outbox)
+                end = time.perf_counter()
+                self.replay_seconds += end - start
+                if self.spans is not None:
+                    self.spans.append((item.step, ticket.phase, start, end))
+                if window.complete:
+                    done, window = window, None
+                    self._hand_off(done, item.metadata)
+            except WindowAborted as e:
+                window = self._abort(window, str(e))
+            except BaseException as e:  # noqa: BLE001 - reported to the training thread
+                log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, _short(e))
+                self._failures.append(WindowFailure(version, "replay", e))
+                window = self._abort(window, repr(e))
+
+    def _hand_off(self, window: WindowReplay, metadata: dict | None) -> None:
+        params, opt_state, extras = window.result()
+        self.replayed_bytes += window.replayed_bytes
+        try:
+            self.sink.put(window.version, self.combine(params, opt_state, extras), metadata)
+        except BaseException as e:  # noqa: BLE001 - this step only: the sink refused it
+            log.error("checkpoint step %d was not handed to storage: %s: %s", window.version,
+                      type(e).__name__, _short(e))
+            self._failures.append(WindowFailure(window.version, "handoff", e))
+            return
+        self._pool.lend(window.version, window.buffers)
+        self.windows_completed += 1
+
+    def _abort(self, window: WindowReplay | None, why: str) -> None:
+        if window is not None:
+            self.windows_aborted += 1
+            log.warning("checkpoint window for step %d discarded: %s", window.version, why)
+        return None
+
+
+def _unreplayable(e: BaseException) -> UnsupportedOptimizerError:
+    if isinstance(e, UnsupportedOptimizerError):
+        return e
+    return UnsupportedOptimizerError(
+        f"the host cannot replay this optimizer on slices of the state ({type(e).__name__}: "
+        f"{_short(e)}). Use window=1, or an optimizer from docs/optimizers.md.")
+
+
+def _short(e: BaseException, limit: int = 400) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -1,0 +1,238 @@
+"""A jaxpr interpreter that tracks which train-state leaves every value depends on.
+
+Why it exists: host replay advances *slices* of the state with the user's own optax
+transformation. That is only exact if (a) each output leaf depends on its own leaf's
+data and on shared scalars, and (b) every value that summarises data across leaves or
+within a chunked leaf (a global norm, a finite flag, a per-leaf trust ratio) is taken
+from the device instead of being recomputed from the partial data the host holds.
+
+The interpreter evaluates the traced update function equation by equation, binding the
+original primitives (so the program XLA sees keeps the user's structure), and carries
+for every value a set of *tokens* naming the input leaves it was computed from. A
+scalar produced by a non-elementwise primitive (a reduction) from leaf data is a
+**cut**: in ``record`` mode (on the device) its value is appended to ``cuts`` so the step
+can ship it; in ``inject`` mode (host replay) the recorded device value replaces it. Cuts
+are found in program order, so device and host, tracing the same Python code on trees
+of the same structure, see the same sequence.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Sequence
+
+import jax
+import jax.extend.core as jcore
+import numpy as np
+from jax import lax
+
+from . import rules
+
+Tokens = frozenset
+
+
+class InterpretError(ValueError):
+    """The update program does something that cannot be replayed on slices."""
+
+
+@dataclasses.dataclass
+class Labelled:
+    """A value (concrete or traced) with the input leaves it depends on.
+
+    ``nonelementwise`` is set when the value went through a non-elementwise operation
+    on leaf data that was not cut: such a value is only right when computed from the
+    whole leaf, so its leaf may not be split into row chunks.
+    """
+
+    value: Any
+    tokens: Tokens = Tokens()
+    nonelementwise: bool = False
+    from_cut: bool = False  # computed from a cut scalar (see ``_eval_eqn``)
+    # Input leaves whose element i flows into element i of this value (not through a
+    # broadcast scalar): what a co-read (see ``co_reads``) is made of.
+    leaf_tokens: Tokens = Tokens()
+
+
+class Interpreter:
+    """Evaluates a jaxpr on labelled values, recording or injecting cut scalars.
+
+    mode ``"record"``: cuts are appended to :attr:`cuts` (device step).
+    mode ``"inject"``: the i-th cut is replaced by ``injected[i]`` (host replay).
+    """
+
+    def __init__(self, mode: str, injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None):
+        if mode not in ("record", "inject"):
+            raise ValueError(f"unknown interpreter mode {mode!r}")
+        self.mode = mode
+        self.cuts: list[Any] = []
+        # (primitive, dtype) of every cut in order: the device's sequence is kept in the
+        # plan and the host's must match it, or the injected values would land elsewhere.
+        self.signature: list[tuple[str, str]] = []
+        self.expected = None if expected is None else list(expected)
+        self.injected = list(injected)
+        self._next_injected = 0
+        # Token sets of leaves read together, element by element (``p0 - p``): a state
+        # leaf read this way with one parameter leaf belongs to its slice even when the
+        # update never writes it (a frozen copy of the initial params).
+        self.co_reads: list[Tokens] = []
+
+    # -- cuts ---------------------------------------------------------------------------
+    def _cut(self, value: Any, where: str, primitive: str) -> Any:
+        position = len(self.signature)
+        self.signature.append((primitive, str(np.dtype(value.dtype))))
+        if self.mode == "record":
+            self.cuts.append(value)
+            return value
+        if self.expected is not None and (position >= len(self.expected)
+                                          or self.expected[position] != self.signature[-1]):
+            want = self.expected[position] if position < len(self.expected) else "nothing"
+            raise InterpretError(
+                f"global scalar #{position} is {self.signature[-1]} in the host replay but "
+                f"{want} on the device (at {where}): the optimizer runs different code for "
+                "the host's leaf shapes, so this slicing cannot be replayed exactly.")
+        if self._next_injected >= len(self.injected):
+            raise InterpretError(
+                f"host replay found more global scalars than the device recorded (at "
+                f"{where}); the optimizer's program depends on leaf shapes, so it cannot be "
+                "replayed on chunks. Use whole-leaf slicing (chunk_leaves=False).")
+        injected = self.injected[self._next_injected]
+        self._next_injected += 1
+        if np.shape(injected) != np.shape(value) or np.dtype(injected.dtype) != np.dtype(value.dtype):
+            raise InterpretError(
+                f"global scalar #{self._next_injected - 1} at {where} is "
+                f"{np.shape(value)}/{value.dtype} on the host but the device recorded "
+                f"{np.shape(injected)}/{injected.dtype}.")
+        return injected
+
+    def finish(self) -> None:
+        """Check that every injected scalar was consumed (same program on both sides)."""
+        if self.mode == "inject" and self._next_injected != len(self.injected):
+            raise InterpretError(
+                f"the device recorded {len(self.injected)} global scalars but host replay "
+                f"used {self._next_injected}; the optimizer's program differs between the "
+                "full tree and a slice, so slice replay is not exact.")
+
+    # -- evaluation ---------------------------------------------------------------------
+    def eval_closed(self, closed: jcore.ClosedJaxpr, args: Sequence[Labelled]) -> list[Labelled]:
+        consts = [Labelled(c) for c in closed.consts]
+        return self.eval_jaxpr(closed.jaxpr, consts, args)
+
+    def eval_jaxpr(self, jaxpr: jcore.Jaxpr, consts: Sequence[Labelled],
+                   args: Sequence[Labelled]) -> list[Labelled]:
+        env: dict[Any, Labelled] = {}
+
+        def read(atom) -> Labelled:
+            if isinstance(atom, jcore.Literal):
+                return Labelled(atom.val)
+            return env[atom]
+
+        for var, val in zip(jaxpr.constvars, consts):
+            env[var] = val
+        if len(args) != len(jaxpr.invars):
+            raise InterpretError(f"expected {len(jaxpr.invars)} inputs, got {len(args)}")
+        for var, val in zip(jaxpr.invars, args):
+            env[var] = val
+        for eqn in jaxpr.eqns:
+            ins = [read(a) for a in eqn.invars]
+            outs = self._eval_eqn(eqn, ins)
+            for var, out in zip(eqn.outvars, outs):
+                if not isinstance(var, jcore.DropVar):
+                    env[var] = out
+        return [read(a) for a in jaxpr.outvars]
+
+    def _eval_eqn(self, eqn, ins: list[Labelled]) -> list[Labelled]:
+        name = eqn.primitive.name
+        if name in rules.CALL_JAXPR_PARAM and rules.CALL_JAXPR_PARAM[name] in eqn.params:
+            sub = eqn.params[rules.CALL_JAXPR_PARAM[name]]
+            if isinstance(sub, jcore.ClosedJaxpr):
+                return self.eval_closed(sub, ins)
+            return self.eval_jaxpr(sub, [], ins)
+        if name == "cond":
+            return self._eval_cond(eqn, ins)
+        tokens = Tokens().union(*(i.tokens for i in ins))
+        from_cut = any(i.from_cut for i in ins)
+        nonel = any(i.nonelementwise for i in ins)
+        values = [i.value for i in ins]
+        out = eqn.primitive.bind(*values, **eqn.params)
+        outs = list(out) if eqn.primitive.multiple_results else [out]
+        if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
+            # while/scan and other loops: opaque. Every output may depend on every input,
+            # and nothing inside is cut, so leaf data inside forbids chunking.
+            return [Labelled(o, tokens, bool(tokens) or from_cut or nonel, from_cut) for o in outs]
+        shapes = [tuple(np.shape(o)) for o in outs]
+        elementwise = rules.is_elementwise(name, [tuple(np.shape(i.value)) for i in ins])
+        if rules.is_global_scalar(shapes, bool(tokens), elementwise, from_cut):
+            where = f"{name} at {eqn.source_info.name_stack}" if hasattr(eqn, "source_info") else name
+            return [Labelled(self._cut(o, where, name), from_cut=True) for o in outs]
+        if elementwise:
+            self._note_co_read(ins)
+            escaped = rules.escapes_as_size_one(shapes, from_cut)
+            leaf_tokens = Tokens() if name == "broadcast_in_dim" else Tokens().union(*(i.leaf_tokens for i in ins))
+            return [Labelled(o, tokens, nonel or escaped, from_cut, leaf_tokens) for o in outs]
+        return [Labelled(o, tokens, bool(tokens) or from_cut or nonel, from_cut) for o in outs]
+
+    def _note_co_read(self, ins: list[Labelled]) -> None:
+        leafwise = [i.leaf_tokens for i in ins if i.leaf_tokens]
+        if len(leafwise) > 1:
+            self.co_reads.append(Tokens().union(*leafwise))
+
+    def _eval_cond(self, eqn, ins: list[Labelled]) -> list[Labelled]:
+        index, ops = ins[0], ins[1:]
+        branches: Sequence[jcore.ClosedJaxpr] = eqn.params["branches"]
+        # Dry-run every branch abstractly to learn its cuts, so that all branches can
+        # return the same fixed set of cut slots (a branch fills its own, zeros elsewhere).
+        probes = []
+        for branch in branches:
+            probe = Interpreter("record")
+            jax.eval_shape(lambda *v, b=branch, p=probe: [o.value for o in p.eval_closed(
+                b, [Labelled(x, o.tokens, o.nonelementwise, o.from_cut, o.leaf_tokens) for x, o in zip(v, ops)])],
+                *[o.value for o in ops])
+            probes.append([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in probe.cuts])
+        offsets = np.cumsum([0] + [len(p) for p in probes])
+        injected_slots: list[Any] = []
+        if self.mode == "inject":
+            injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond", "cond")
+                              for p in probes for s in p]
+        labels: list[list[tuple[Tokens, bool, bool]]] = [[] for _ in branches]
+
+        def make_branch(b: int) -> Callable:
+            def run(*values):
+                inner = Interpreter(self.mode, injected_slots[offsets[b]:offsets[b + 1]])
+                outs = inner.eval_closed(branches[b], [
+                    Labelled(v, o.tokens, o.nonelementwise, o.from_cut, o.leaf_tokens) for v, o in zip(values, ops)])
+                inner.finish()
+                labels[b][:] = [(o.tokens, o.nonelementwise, o.from_cut) for o in outs]
+                slots = [jax.numpy.zeros(s.shape, s.dtype) for p in probes for s in p]
+                if self.mode == "record":
+                    slots[offsets[b]:offsets[b + 1]] = inner.cuts
+                return [o.value for o in outs], slots
+            return run
+
+        out_values, slot_values = lax.switch(index.value, [make_branch(b) for b in range(len(branches))],
+                                             *[o.value for o in ops])
+        if self.mode == "record":
+            for value in slot_values:
+                self._cut(value, "cond", "cond")
+        result = []
+        for k, value in enumerate(out_values):
+            tokens = index.tokens.union(*(labels[b][k][0] for b in range(len(branches))))
+            nonel = index.nonelementwise or any(labels[b][k][1] for b in range(len(branches)))
+            from_cut = index.from_cut or any(labels[b][k][2] for b in range(len(branches)))
+            result.append(Labelled(value, tokens, nonel, from_cut))
+        return result
+
+
+def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tokens],
+              injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None
+              ) -> tuple[list[Labelled], Interpreter]:
+    """Trace ``fn(*flat_args)`` and evaluate it with labelled inputs.
+
+    ``args`` is the flat list of input arrays (concrete or tracers), ``tokens`` their
+    labels. Returns the labelled flat outputs and the interpreter (whose ``cuts`` holds
+    the recorded global scalars in ``record`` mode).
+    """
+    closed = jax.make_jaxpr(fn)(*args)
+    interp = Interpreter(mode, injected, expected)
+    outs = interp.eval_closed(closed, [Labelled(a, t, leaf_tokens=t if np.ndim(a) > 0 else Tokens()) for a, t in zip(args, tokens)])
+    interp.finish()
+    return outs, interp

@@ -1,0 +1,224 @@
+"""The static description of how one train state is captured over a window.
+
+A :class:`CapturePlan` is built once from the concrete state (outside ``jit``) because
+shardings, shard shapes and addressability are only known on concrete arrays. Inside the
+jitted step it is a compile-time constant: the step compiles once per window phase.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from typing import Any
+
+import jax
+import numpy as np
+import optax
+
+from ..errors import TreeMismatchError, UnsupportedOptimizerError
+from ..hostarray import covers, full_index, index_key, local_blocks
+from . import backend
+from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
+from .slicing import Piece, Slicing, make_slicing
+
+log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class LeafLayout:
+    """Where one leaf lives: its global aval, sharding and this process's blocks."""
+
+    shape: tuple[int, ...]
+    dtype: np.dtype
+    sharding: jax.sharding.Sharding
+    block_shape: tuple[int, ...]
+    # Global indices of the distinct blocks this process keeps (replica 0 only).
+    blocks: tuple[tuple[slice, ...], ...]
+
+    def __hash__(self) -> int:  # slices are unhashable before Python 3.12
+        return hash((self.shape, self.dtype, self.sharding, self.block_shape,
+                     tuple(index_key(b) for b in self.blocks)))
+
+    @property
+    def rows(self) -> int:
+        """Rows of a local block along axis 0 (scalars count as one row)."""
+        return self.block_shape[0] if self.block_shape else 1
+
+    @property
+    def row_bytes(self) -> int:
+        per_row = int(np.prod(self.block_shape[1:])) if self.block_shape else 1
+        return per_row * np.dtype(self.dtype).itemsize * max(len(self.blocks), 1)
+
+    def block_of(self, out_index: tuple[slice, ...], piece: Piece) -> tuple[slice, ...]:
+        """The block a captured shard of ``piece`` belongs to (see :mod:`capture`)."""
+        if not self.shape:
+            return ()
+        chunk = piece.stop - piece.start
+        p = out_index[0].start // chunk
+        rows = self.rows
+        return (slice(p * rows, (p + 1) * rows),) + tuple(out_index[1:])
+
+
+def leaf_layout(x: Any) -> LeafLayout:
+    """The layout of a concrete array, or of a ``ShapeDtypeStruct`` on one device (a
+    replica of a ``pmap`` state, planned without touching its data)."""
+    if isinstance(x, jax.ShapeDtypeStruct):
+        if not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
+            raise TypeError("an abstract leaf can only be planned on one device")
+        shape = tuple(x.shape)
+        return LeafLayout(shape, np.dtype(x.dtype), x.sharding, shape, (full_index(shape),))
+    if not isinstance(x, jax.Array):
+        x = jax.numpy.asarray(x)
+    sharding = x.sharding
+    blocks = sorted((index for index, _ in local_blocks(x)), key=index_key)
+    return LeafLayout(tuple(x.shape), np.dtype(x.dtype), sharding,
+                      tuple(sharding.shard_shape(x.shape)), tuple(blocks))
+
+
+def _layouts(tree) -> tuple[Any, list[LeafLayout]]:
+    leaves, treedef = jax.tree.flatten(tree)
+    return treedef, [leaf_layout(x) for x in leaves]
+
+
+@dataclasses.dataclass(eq=False)
+class CapturePlan:
+    """Everything the device capture and the host replay agree on for a window.
+
+    A plan is a compile-time constant of the window variants of the train step, so it
+    compares *by value*: a second manager (or a re-plan) for the same optimizer object on
+    a state of the same structure, shapes and shardings reuses the compiled step instead
+    of compiling it again.
+    """
+
+    tx: optax.GradientTransformation
+    update: UpdateFn  # derived from tx: not part of the value
+    params_def: Any
+    state_def: Any
+    extras_def: Any
+    params: list[LeafLayout]
+    state: list[LeafLayout]
+    extras: list[LeafLayout]
+    analysis: UpdateAnalysis
+    slicing: Slicing
+    chunked: bool  # leaves may be split into row chunks (elementwise update)
+    platform: str  # "cpu", "gpu", "tpu": how the update is isolated on the device
+    outbox_memory: str | None = "pinned_host"  # memory kind of the captured copies (None: device)
+
+    def _key(self) -> tuple:
+        return (self.tx.init, self.tx.update, self.params_def, self.state_def, self.extras_def,
+                tuple(self.params), tuple(self.state), tuple(self.extras), self.analysis,
+                self.slicing, self.chunked, self.platform, self.outbox_memory)
+
+    def __eq__(self, other: object) -> bool:
+        if self is other:
+            return True
+        return isinstance(other, CapturePlan) and hash(self) == hash(other) and self._key() == other._key()
+
+    def __repr__(self) -> str:
+        # Short on purpose: the plan is in the tree structure of every window step, so jax
+        # prints it in structure-mismatch errors (a full dataclass repr runs to tens of KB).
+        return (f"CapturePlan({len(self.params)} params leaves, {len(self.state)} opt_state leaves, "
+                f"K={self.k}, {'row chunks' if self.chunked else 'whole leaves'}, {self.platform}, "
+                f"id={hash(self) & 0xffff:04x})")
+
+    def __hash__(self) -> int:
+        # Hashed once: jit hashes the plan at every dispatch of a window step.
+        cached = self.__dict__.get("_hash")
+        if cached is None:
+            cached = self.__dict__["_hash"] = hash(self._key())
+        return cached
+
+    @property
+    def k(self) -> int:
+        return self.slicing.k
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(l.rows * l.row_bytes for l in (*self.params, *self.state))
+
+    @property
+    def grad_bytes(self) -> int:
+        return sum(l.rows * l.row_bytes for l in self.params)
+
+    def state_piece(self, j: int, piece: Piece) -> Piece:
+        """The piece of state leaf ``j`` captured with a piece of its parameter: the same
+        rows when leaves are chunked, the whole leaf when the piece is the whole leaf."""
+        if piece.start == 0 and piece.stop == self.params[piece.leaf].rows:
+            return Piece(j, 0, self.state[j].rows)
+        return Piece(j, piece.start, piece.stop)
+
+    def matches(self, params, opt_state, extras) -> str | None:
+        """Why this plan does not fit the given state, or None when it does."""
+        for name, tree, treedef, layouts in (("params", params, self.params_def, self.params),
+                                             ("opt_state", opt_state, self.state_def, self.state),
+                                             ("extras", extras, self.extras_def, self.extras)):
+            leaves, got_def = jax.tree.flatten(tree)
+            if got_def != treedef:
+                return f"the structure of {name} changed"
+            for (path, x), layout in zip(jax.tree_util.tree_flatten_with_path(tree)[0], layouts):
+                if tuple(np.shape(x)) != layout.shape or np.dtype(x.dtype) != layout.dtype:
+                    return (f"{name}{jax.tree_util.keystr(path)} is {np.shape(x)}/{x.dtype}, "
+                            f"planned {layout.shape}/{layout.dtype}")
+        return None
+
+
+def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, window: int,
+              *, chunk_leaves: bool | None = None, outbox_memory: str | None = "pinned_host",
+              platform: str | None = None) -> CapturePlan:
+    """Analyse the optimizer on this state and split the state into ``window`` slices.
+
+    ``chunk_leaves``: None splits leaves into row chunks when the update allows it;
+    False forces whole-leaf slices. ``outbox_memory``: the memory kind window steps copy
+    into (None leaves the copies in device memory, for ``jax.pmap``). ``platform``: the
+    backend whose isolation rule the capture follows (default: the params' devices').
+    """
+    update = optax_update_fn(tx)
+    params_def, params_l = _layouts(params)
+    state_def, state_l = _layouts(opt_state)
+    extras_def, extras_l = _layouts(extras)
+    mesh_sharding = next((l.sharding for l in params_l if isinstance(l.sharding, jax.sharding.NamedSharding)), None)
+    if mesh_sharding is not None:
+        params_l, state_l, extras_l = ([_on_state_devices(l, mesh_sharding) for l in group]
+                                       for group in (params_l, state_l, extras_l))
+    if not params_l:
+        raise TreeMismatchError("params has no array leaves; there is nothing to checkpoint.")
+    analysis = analyze_update(update, params, opt_state)
+    chunk = analysis.chunkable if chunk_leaves is None else (chunk_leaves and analysis.chunkable)
+    if chunk_leaves and not analysis.chunkable:
+        log.info("whole-leaf slices: %s", analysis.why_not_chunkable)
+    for j, owner in enumerate(analysis.state_owner):
+        if owner is not None and chunk and state_l[j].block_shape != params_l[owner].block_shape:
+            log.info("opt_state leaf %d is sharded differently from its parameter; whole-leaf slices", j)
+            chunk = False
+    if window > 1 and not chunk:
+        for k, layout in enumerate(params_l):
+            if len(layout.blocks) > 1 and not covers(layout.shape, layout.blocks):
+                raise UnsupportedOptimizerError(
+                    "this optimizer reduces within a leaf, so the host needs whole leaves, but "
+                    f"parameter leaf {k} is split across processes. Use window=1 (a one-step "
+                    "in-graph snapshot) for this optimizer in multi-process jobs.")
+    unit_rows, unit_row_bytes = [], []
+    for k, layout in enumerate(params_l):
+        owned = analysis.owned_state(k)
+        rows = layout.rows if chunk else 1
+        total = layout.rows * layout.row_bytes + sum(state_l[j].rows * state_l[j].row_bytes for j in owned)
+        unit_rows.append(rows)
+        unit_row_bytes.append(max(total // rows, 1))
+    slicing = make_slicing(unit_rows, unit_row_bytes, window, chunk)
+    if not chunk:  # whole-leaf pieces cover all rows of the leaf
+        slicing = Slicing(tuple(tuple(Piece(p.leaf, 0, params_l[p.leaf].rows) for p in s)
+                                for s in slicing.slices))
+    platform = platform or backend.platform_of(next(iter(params_l[0].sharding.device_set)))
+    return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
+                       analysis, slicing, chunk, platform, outbox_memory)
+
+
+def _on_state_devices(layout: LeafLayout, state_sharding: jax.sharding.Sharding) -> LeafLayout:
+    """Small leaves (a step counter, an optimizer count, an RNG key) often live on one
+    device while the state is sharded over a mesh; inside the step they are captured
+    replicated on that mesh, since a jitted program cannot place outputs off its devices."""
+    if layout.sharding.device_set == state_sharding.device_set:
+        return layout
+    replicated = jax.sharding.NamedSharding(state_sharding.mesh, jax.sharding.PartitionSpec())
+    index = tuple(slice(0, n) for n in layout.shape)
+    return dataclasses.replace(layout, sharding=replicated, block_shape=layout.shape, blocks=(index,))

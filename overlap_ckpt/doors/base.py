@@ -1,0 +1,134 @@
+"""The door protocol: what the manager needs from a training-loop style.
+
+A *state* is whatever the user's loop passes from step to step (a Linen ``TrainState``,
+an NNX ``Optimizer``, an ``nnx.State``...). A door turns it into the three trees the engine
+plans and saves, tells the jitted step whether it is in a window, and takes the outbox back:
+
+* ``parts(state)``: :class:`Parts` (params, opt_state, extras and the optax transformation);
+* ``attach(state, ticket)``: the state for the next step, carrying ``ticket``
+  (:class:`~overlap_ckpt.core.capture.WindowTicket`); the state must flatten its ticket/
+  outbox slot *last*, so that ``jit(donate_argnums=...)`` pairs every donated leaf with its
+  own updated leaf before any host-memory output of the same shape;
+* ``extras_in_step``: whether the update in the step still sees the extras of its input
+  version (Linen); if not (NNX, whose forward pass updates batch statistics and RNG counts),
+  the manager copies them just before the last step of a window;
+* ``take_outbox(state)``: the outbox the last step produced (None outside windows) and the
+  state without it; outside a window this must cost nothing and return ``state`` itself;
+* ``is_state(x)`` / ``copy_with(state, ticket)``: recognise the state among a step's
+  arguments and make a copy carrying a ticket, without touching ``state`` (compiling the
+  window variants ahead of time);
+* ``snapshot(state)``: host copies of the parts, owning their memory (a synchronous save);
+* ``restore_target(state)`` / ``restored(state, parts)``: the shapes, dtypes and shardings
+  a restore reads into, and ``state`` with the restored arrays put back;
+* ``plain(tree)`` / ``unplain(tree, like)``: the tree as saved (plain dicts, lists and
+  arrays, what stock Orbax returns) and back to the door's own node types.
+
+The saved tree of every door is ``{"step", "params", "opt_state", **extras}``; an app may
+rearrange it (``CheckpointManager(save_tree=...)``), see :mod:`overlap_ckpt.layouts`.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Protocol
+
+import jax
+import optax
+
+from ..core.capture import Outbox, WindowTicket
+from ..hostarray import is_prng_key
+
+
+@dataclasses.dataclass(frozen=True)
+class Parts:
+    """The trees of a train state that a checkpoint holds, and the optimizer it is trained with."""
+
+    params: Any
+    opt_state: Any
+    extras: dict[str, Any]  # "step" and every other saved field, by name
+    tx: optax.GradientTransformation
+
+
+class Door(Protocol):
+    name: str  # recorded in the checkpoint's metadata ("linen", "nnx", "nnx-functional", "pmap")
+    outbox_memory: str | None  # where window steps put their copies (None: device, for pmap)
+    extras_in_step: bool  # False: the step changes extras before the update (copied before it)
+
+    def parts(self, state: Any) -> Parts: ...
+
+    def step_number(self, state: Any) -> int: ...
+
+    def attach(self, state: Any, ticket: WindowTicket | None) -> Any: ...
+
+    def take_outbox(self, state: Any) -> tuple[Outbox | None, Any]: ...
+
+    def is_state(self, x: Any) -> bool: ...
+
+    def copy_with(self, state: Any, ticket: WindowTicket) -> Any: ...
+
+    def snapshot(self, state: Any) -> Parts: ...
+
+    def restore_target(self, state: Any) -> Parts: ...
+
+    def restored(self, state: Any, parts: Parts) -> Any: ...
+
+    def plain(self, tree: Any) -> Any: ...
+
+    def unplain(self, tree: Any, like: Any) -> Any: ...
+
+
+def standard_tree(parts: Parts) -> dict:
+    """The saved tree: ``{"step", "params", "opt_state", **extras}``."""
+    return {"params": parts.params, "opt_state": parts.opt_state, **parts.extras}
+
+
+def committed(tree: Any) -> Any:
+    """Every array of ``tree`` committed to the devices it is on.
+
+    A freshly initialised state holds *uncommitted* arrays, while a window step returns
+    arrays committed to their devices (its host-memory outputs pin the placement). Jit keys
+    its cache on that difference, so without this the first plain step after a window would
+    compile the train step once more.
+    """
+    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, tree)
+
+
+def abstract_tree(tree: Any) -> Any:
+    """Shapes, dtypes and shardings of ``tree`` as a restore target, from metadata only (the
+    buffers may be donated already); typed PRNG keys as their key data, as they are saved;
+    Python numbers as the arrays a step would make of them."""
+    def leaf(x):
+        if is_prng_key(x):
+            data = jax.eval_shape(jax.random.key_data, x)
+            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+        if not isinstance(x, jax.Array):
+            x = jax.numpy.asarray(x, dtype=jax.numpy.int32 if isinstance(x, int) else None)
+        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
+    return jax.tree.map(leaf, tree)
+
+
+def abstract_parts(parts: Parts) -> Parts:
+    return Parts(abstract_tree(parts.params), abstract_tree(parts.opt_state), abstract_tree(parts.extras), parts.tx)
+
+
+def keys_as_data(tree: Any) -> Any:
+    """``tree`` with every typed PRNG key replaced by its raw ``uint32`` key data.
+
+    A typed key (``jax.random.key``) has a dtype numpy and zarr cannot hold; its data can
+    be saved and wrapped again on restore (:func:`keys_like`). Works on tracers too, so the
+    jitted step and the plan see the same extras.
+    """
+    return jax.tree.map(lambda x: jax.random.key_data(x) if is_prng_key(x) else x, tree)
+
+
+def keys_like(tree: Any, like: Any) -> Any:
+    """Inverse of :func:`keys_as_data`: wrap key data where ``like`` holds a typed key."""
+    return jax.tree.map(lambda x, ref: jax.random.wrap_key_data(x, impl=jax.random.key_impl(ref))
+                        if is_prng_key(ref) else x, tree, like)
+
+
+def refuse_stale_outbox(where: str) -> None:
+    """Raised at trace time when a state still holds the outbox of its window step."""
+    raise TypeError(
+        f"{where} carries the host copies of a checkpoint window step: after every training step, "
+        "pass the state it returned to CheckpointManager.step(state) and train on what that returns.")

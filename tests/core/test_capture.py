@@ -1,0 +1,99 @@
+"""core.capture: outside a window the step is the user's own program; in a window it copies
+its slice to host memory, and a window step that copies nothing computes the same update."""
+
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+from flax.training import train_state
+
+import overlap_ckpt as oc
+from overlap_ckpt.core.capture import WindowTicket
+from overlap_ckpt.core.plan import make_plan
+from overlap_ckpt.doors.base import committed
+
+from conftest import assert_bitwise
+
+MODEL = nn.Dense(3)
+X = jnp.linspace(-1, 1, 20).reshape(4, 5)
+PARAMS = MODEL.init(jax.random.key(0), X)["params"]
+TX = optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))
+
+
+def step(state, x):
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+
+def make(cls=oc.TrainState):
+    return cls.create(apply_fn=MODEL.apply, params=PARAMS, tx=TX)
+
+
+def test_plain_step_lowers_to_the_same_program_as_flax():
+    jitted = jax.jit(step, donate_argnums=0)
+    flax_program = jitted.lower(make(train_state.TrainState), X).as_text()
+    assert jitted.lower(make(), X).as_text() == flax_program
+    with oc.CheckpointManager(save_interval_steps=100, store=_memory_store()) as mngr:
+        prepared = mngr.prepare(make())
+        assert prepared.ckpt_window is None
+        # prepare makes `step` an int32 array and commits the arrays to their device (see
+        # LinenDoor.prepared): compare with the Flax state after its first step.
+        user_state = committed(make(train_state.TrainState).replace(step=jnp.int32(0)))
+        assert jitted.lower(prepared, X).as_text() == jitted.lower(user_state, X).as_text()
+
+
+def test_window_step_copies_its_slice_to_pinned_host_and_compiles_once_per_phase():
+    state = make()
+    plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
+    jitted = jax.jit(step)
+    out = jitted(state.replace(ckpt_window=WindowTicket(plan, 0)), X)
+    outbox = out.ckpt_window
+    assert outbox.ticket.phase == 0 and outbox.state and outbox.grads and outbox.globals
+    assert {x.sharding.memory_kind for x in jax.tree.leaves((outbox.state, outbox.grads))} == {"pinned_host"}
+    jitted(state.replace(ckpt_window=WindowTicket(plan, 0)), X)
+    jitted(state.replace(ckpt_window=WindowTicket(plan, 1)), X)
+    jitted(state, X)
+    assert jitted._cache_size() == 3
+
+
+def test_a_window_step_without_copies_computes_the_same_update():
+    """Skipped windows (no host memory) run this variant, so skipping does not change the
+    trajectory: same new state, bit for bit, as a captured window step."""
+    state = make()
+    plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
+    for phase in range(2):
+        captured = jax.jit(step)(state.replace(ckpt_window=WindowTicket(plan, phase)), X)
+        bare = jax.jit(step)(state.replace(ckpt_window=WindowTicket(plan, phase, capture=False)), X)
+        assert not bare.ckpt_window.state and not bare.ckpt_window.extras
+        assert_bitwise((bare.params, bare.opt_state), (captured.params, captured.opt_state), f"phase {phase}")
+
+
+def test_functional_capture_update_without_ticket_is_optax():
+    params, opt_state = PARAMS, TX.init(PARAMS)
+    grads = jax.tree.map(jnp.ones_like, params)
+    new_params, new_state, outbox = jax.jit(
+        functools.partial(oc.capture_update, TX, None))(params, opt_state, grads)
+    updates, want_state = TX.update(grads, opt_state, params)
+    assert outbox is None
+    assert_bitwise((new_params, new_state), (optax.apply_updates(params, updates), want_state))
+
+
+def _memory_store():
+    import tempfile
+
+    from overlap_ckpt.storage import CheckpointStore
+    return CheckpointStore(tempfile.mkdtemp())
+
+
+@pytest.mark.parametrize("dtype", [jnp.int32, jnp.uint32])
+def test_isolation_survives_compilation_for_any_step_dtype(dtype):
+    """NNX counts steps in uint32, for which `step >= 0` folds to true and XLA drops the
+    conditional (and the isolation with it); the predicate must stay a runtime value."""
+    state = make().replace(step=jnp.asarray(3, dtype))
+    plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
+    compiled = jax.jit(step).lower(state.replace(ckpt_window=WindowTicket(plan, 0)), X).compile().as_text()
+    assert "conditional" in compiled

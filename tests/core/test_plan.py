@@ -1,0 +1,46 @@
+"""core.plan: layouts of leaves, plans that compare by value, the state pieces of a slice."""
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from overlap_ckpt.core.plan import leaf_layout, make_plan
+from overlap_ckpt.core.slicing import Piece
+
+from conftest import make_params
+
+
+def test_equal_states_and_the_same_optimizer_give_equal_plans():
+    tx = optax.adam(1e-2)
+    params = make_params([(8, 3), (3,)])
+    a = make_plan(tx, params, tx.init(params), {"step": jnp.int32(0)}, 2)
+    b = make_plan(tx, make_params([(8, 3), (3,)], seed=1), tx.init(params), {"step": jnp.int32(5)}, 2)
+    assert a is not b and a == b and hash(a) == hash(b)  # a jit cache hit, not a recompile
+    assert a != make_plan(optax.adam(1e-2), params, tx.init(params), {"step": jnp.int32(0)}, 2)  # another tx
+    assert a != make_plan(tx, params, tx.init(params), {"step": jnp.int32(0)}, 1)
+    assert len(repr(a)) < 200
+
+
+def test_matches_names_the_changed_leaf():
+    tx = optax.sgd(0.1)
+    params = make_params([(8, 3)])
+    plan = make_plan(tx, params, tx.init(params), None, 1)
+    assert plan.matches(params, tx.init(params), None) is None
+    wider = make_params([(8, 4)])
+    assert "(8, 4)" in plan.matches(wider, tx.init(wider), None)
+
+
+def test_state_piece_follows_the_parameter_rows():
+    tx = optax.adam(1e-2)
+    params = make_params([(8, 3)])
+    plan = make_plan(tx, params, tx.init(params), None, 2)
+    mu = plan.analysis.owned_state(0)[0]
+    assert plan.state_piece(mu, Piece(0, 2, 5)) == Piece(mu, 2, 5)
+    assert plan.state_piece(mu, Piece(0, 0, 8)) == Piece(mu, 0, plan.state[mu].rows)
+
+
+def test_abstract_leaf_on_one_device_has_one_block():
+    device = jax.devices()[0]
+    layout = leaf_layout(jax.ShapeDtypeStruct((5, 2), jnp.float32,
+                                              sharding=jax.sharding.SingleDeviceSharding(device)))
+    assert layout.blocks == ((slice(0, 5), slice(0, 2)),) and layout.rows == 5

@@ -1,0 +1,81 @@
+"""core.separability: which optimizer-state leaf belongs to which parameter, the global
+scalars, chunkability, and the refusals (with the leaves they name)."""
+
+import jax
+import jax.numpy as jnp
+import optax
+import pytest
+
+from overlap_ckpt import MemorySink, OverlapEngine, UnsupportedOptimizerError
+from overlap_ckpt.core.separability import analyze_update, optax_update_fn
+
+from conftest import make_params
+
+
+def analyze(tx, params):
+    return analyze_update(optax_update_fn(tx), params, tx.init(params))
+
+
+def test_adam_owners_and_shared_count():
+    params = make_params([(4, 3), (3,)])
+    a = analyze(optax.adam(1e-2), params)
+    # opt_state leaves: count, mu[w000], mu[w001], nu[w000], nu[w001]
+    assert a.state_owner == (None, 0, 1, 0, 1) and a.shared_state == [0]
+    assert a.chunkable and a.n_globals == 0
+
+
+def test_clip_by_global_norm_ships_its_reductions_as_global_scalars():
+    params = make_params([(4, 3), (3,)])
+    a = analyze(optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2)), params)
+    assert a.chunkable and a.n_globals == len(a.cut_signature)
+    # one sum of squares per leaf, then scalar arithmetic on them (also shipped), then the test
+    assert [p for p, _ in a.cut_signature].count("reduce_sum") == 2
+    assert ("lt", "bool") in a.cut_signature
+
+
+def test_adafactor_needs_whole_leaves():
+    params = make_params([(256, 192)])
+    a = analyze(optax.adafactor(1e-2), params)
+    assert not a.chunkable and "reduces within a leaf" in a.why_not_chunkable
+
+
+@pytest.mark.parametrize("name", ["prodigy", "cocob", "dowg"])
+def test_frozen_initial_params_belong_to_their_parameter(name):
+    """prodigy, cocob and dowg keep a copy of the initial params that the update only reads
+    (p0 - p): it must be sliced with its parameter, not shipped whole as shared state."""
+    tx = getattr(optax.contrib, name)()
+    params = make_params([(4, 3), (3,)])
+    a = analyze(tx, params)
+    state_shapes = [x.shape for x in jax.tree.leaves(tx.init(params))]
+    shared_shapes = [state_shapes[j] for j in a.shared_state]
+    assert (4, 3) not in shared_shapes and (3,) not in shared_shapes, shared_shapes
+
+
+def test_flattening_optimizer_is_refused_with_leaf_names():
+    def mixing():
+        def update(updates, state, params=None):
+            flat = jnp.concatenate([u.ravel() for u in jax.tree.leaves(updates)])
+            flat = flat - jnp.mean(flat)  # whitening over the concatenated vector
+            out, i = [], 0
+            for u in jax.tree.leaves(updates):
+                out.append(flat[i:i + u.size].reshape(u.shape))
+                i += u.size
+            return jax.tree.unflatten(jax.tree.structure(updates), out), state
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    engine = OverlapEngine(mixing(), MemorySink(), interval=4, window=2)
+    params = make_params([(4, 3), (3,)])
+    with pytest.raises(UnsupportedOptimizerError, match=r"params\['w00[01]'\]"):
+        engine.plan_for(params, engine.tx.init(params))
+    engine.close()
+
+
+def test_optimizer_failing_on_the_tree_is_refused_by_name():
+    params = make_params([(4, 3)])
+    tx = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+    engine = OverlapEngine(tx, MemorySink(), interval=4, window=2)
+    with pytest.raises(UnsupportedOptimizerError) as info:
+        engine.plan_for(params, tx.init(optax.LookaheadParams.init_synced(params)))
+    message = str(info.value)
+    assert "lookahead" in message.lower() and len(message) < 2000, message
+    engine.close()

@@ -1,0 +1,170 @@
+"""CheckpointManager bookkeeping on a tiny two-leaf model (fast): schedule, explicit saves,
+retention, misuse errors, window="auto" on CPU."""
+
+from __future__ import annotations
+
+import functools
+import threading
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+from overlap_ckpt.errors import ConfigError
+from overlap_ckpt.doors.linen import TrainState
+from overlap_ckpt.manager import CheckpointManager
+from overlap_ckpt.storage import CheckpointStore
+
+
+def make_state():
+    params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10, "b": jnp.zeros(3)}
+    return TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state, x):
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+
+def batch(t):
+    return jnp.full((2, 4), 0.1 * (t + 1), jnp.float32)
+
+
+def run(mngr, state, start, stop):
+    for t in range(start, stop):
+        state = mngr.step(train_step(state, batch(t)))
+    return state
+
+
+def test_config_errors(tmp_path):
+    with pytest.raises(ConfigError):
+        CheckpointManager(tmp_path, save_interval_steps=0)
+    with pytest.raises(ConfigError):
+        CheckpointManager(tmp_path, save_interval_steps=4, window="big")
+
+
+def blocking_store(path, **kwargs):
+    """A store that waits for room instead of dropping saves: these tests check the
+    schedule and retention, which must not depend on how fast this machine persists."""
+    return CheckpointStore(path, on_backpressure="block", **kwargs)
+
+
+def test_schedule_auto_window_retention_and_queries(tmp_path):
+    with CheckpointManager(save_interval_steps=2, window="auto",
+                           store=blocking_store(tmp_path, max_to_keep=2)) as mngr:
+        state = mngr.prepare(make_state())
+        assert mngr.engine.schedule.k == 1  # CPU backend
+        assert [mngr.should_save(s) for s in range(5)] == [False, False, True, False, True]
+        state = run(mngr, state, 0, 7)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 6] and mngr.latest_step() == 6
+        assert int(state.step) == 7 and state.ckpt_window is None
+    with CheckpointManager(tmp_path, save_interval_steps=2, max_to_keep=2, window=1) as mngr:
+        restored = mngr.restore(target_state=make_state())
+        assert int(restored.step) == 6
+
+
+def test_window_clamped_to_interval_and_final_save(tmp_path):
+    with CheckpointManager(save_interval_steps=2, window=5, store=blocking_store(tmp_path)) as mngr:
+        state = mngr.prepare(make_state())
+        assert mngr.engine.schedule.k == 2
+        state = run(mngr, state, 0, 5)        # windows of 2 and 4 complete
+        assert mngr.save(4, state) is False    # already saved by its window
+        assert mngr.save(5, state) is False    # not a save step
+        assert mngr.save(5, state, force=True) is True
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [2, 4, 5]
+        raw, _ = mngr.store.restore(5)
+        np.testing.assert_array_equal(raw["params"]["w"], np.asarray(state.params["w"]))
+        assert int(raw["step"]) == 5
+
+
+def test_sync_save_of_open_window_wins(tmp_path):
+    # K=2, interval 4: step 3 opens the window of V=4; saving 4 synchronously first means
+    # the window is not submitted again (no duplicate-step error in the background).
+    with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
+        state = run(mngr, mngr.prepare(make_state()), 0, 4)
+        assert mngr.save(4, state) is True
+        state = run(mngr, state, 4, 6)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4]
+
+
+def test_misuse_errors(tmp_path):
+    with CheckpointManager(tmp_path, save_interval_steps=1, window=1) as mngr:
+        state = run(mngr, mngr.prepare(make_state()), 0, 1)  # step 0 precedes the first window
+        assert state.ckpt_window.phase == 0
+        state = train_step(state, batch(1))
+        stripped = state.replace(ckpt_window=None)
+        with pytest.raises(RuntimeError, match="exactly once per training step"):
+            mngr.step(stripped)
+    with CheckpointManager(tmp_path / "b", save_interval_steps=4, window=1) as mngr:
+        with pytest.raises(FileNotFoundError, match="no checkpoint"):
+            mngr.restore()  # without a target it returns the saved tree, like Orbax: none here
+        # step() before prepare() prepares; outside windows the state is passed through.
+        state = mngr.step(make_state())
+        assert mngr.engine.plan is not None and state.ckpt_window is None
+        assert mngr.step(state) is state
+
+
+def test_train_step_compiles_once_per_window_phase(tmp_path):
+    """K+1 variants (the user's own step, phases 0..K-1), and no recompiles when committed
+    window outputs replace the uncommitted arrays of a fresh state."""
+    import functools
+
+    import flax.linen as nn
+    import jax
+    import jax.numpy as jnp
+    import optax
+
+    import overlap_ckpt as oc
+
+    model = nn.Dense(3)
+    x = jnp.ones((4, 5))
+    state = oc.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+                                 tx=optax.adam(1e-2))
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state):
+        grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with oc.CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
+        state = mngr.prepare(state)
+        for t in range(13):
+            state = mngr.step(train_step(state))
+            if t % 4 == 0:  # let each persist finish: this test is about compiles, not back-pressure
+                mngr.wait_until_finished()
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8, 12]
+    assert train_step._cache_size() == 3
+
+
+def test_compile_ahead_moves_window_compiles_off_the_training_thread(tmp_path):
+    """With compile_ahead, the training thread compiles only the user's own program: the
+    window variants are compiled in the background while plain steps run."""
+    from jax import monitoring
+
+    compiles = []  # (thread, what) of every compile of this test's step
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(ahead_step)" else None)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def ahead_step(state, x):  # a step of its own: nothing compiled by other tests
+        grads = jax.grad(lambda p: jnp.sum(jnp.sin(x @ p["w"] + p["b"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
+        state = mngr.prepare(make_state())
+        x = batch(0)
+        mngr.compile_ahead(ahead_step, state, x).join()
+        assert compiles == ["overlap-ckpt-compile-ahead"] * 2  # phases 0 and 1
+        for t in range(9):
+            state = mngr.step(ahead_step(state, batch(t)))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8]
+    assert compiles[2:] == [threading.main_thread().name], compiles  # the user's program only

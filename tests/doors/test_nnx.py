@@ -1,0 +1,101 @@
+"""NNX Optimizer + CheckpointManager: overlapped checkpoints equal synchronous snapshots,
+resume is bitwise, plain nnx.Optimizer and shape mismatches give clear errors."""
+
+from __future__ import annotations
+
+import jax
+import numpy as np
+import optax
+import pytest
+from flax import nnx
+
+from overlap_ckpt.manager import CheckpointManager
+from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn
+from overlap_ckpt.doors.nnx import Optimizer, to_plain
+
+CFG = LMConfig.preset("tiny", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8)
+DATA = SyntheticTokens(CFG.vocab_size, CFG.seq_len, batch_size=2, seed=0)
+INTERVAL = 4
+
+
+def make(cfg=CFG, seed=0):
+    model = nnx_init(cfg, seed)
+    return model, Optimizer(model, optax.adamw(1e-2, weight_decay=0.01), wrt=nnx.Param)
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def train_step(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+    optimizer.update(model, grads)
+    return loss
+
+
+def snapshot(model, optimizer) -> dict:
+    tree = {"step": optimizer.step[...], "params": nnx.as_pure(nnx.state(model, nnx.Param)),
+            "opt_state": nnx.as_pure(optimizer.opt_state)}
+    return jax.tree.map(lambda x: np.array(jax.device_get(x), copy=True), to_plain(tree))
+
+
+def train(mngr, model, optimizer, start, stop, snaps=None):
+    losses = []
+    for t in range(start, stop):
+        loss = train_step(model, optimizer, DATA.batch(t))
+        mngr.step(optimizer)
+        losses.append(np.asarray(loss))
+        if snaps is not None and mngr.should_save(t + 1):
+            snaps[t + 1] = snapshot(model, optimizer)
+    return losses
+
+
+def bitwise_equal(a, b):
+    la, lb = jax.tree.leaves(a), jax.tree.leaves(b)
+    assert len(la) == len(lb)
+    for x, y in zip(la, lb):
+        x, y = np.asarray(x), np.asarray(y)
+        assert x.shape == y.shape and x.dtype == y.dtype
+        np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
+
+
+@pytest.mark.parametrize("window", [1, 2, 3])
+def test_nnx_checkpoints_equal_sync_snapshots_and_resume(tmp_path, window):
+    steps = 2 * INTERVAL + 1
+    snaps: dict[int, dict] = {}
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=window) as mngr:
+        model, optimizer = make()
+        mngr.prepare(optimizer, model)
+        ref = train(mngr, model, optimizer, 0, steps, snaps)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8]
+        assert mngr.engine.windows_completed == 2
+        for v in (4, 8):
+            raw, _ = mngr.store.restore(v)
+            assert set(raw) == {"step", "params", "opt_state"}
+            bitwise_equal(raw["params"], snaps[v]["params"])
+            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+            assert int(raw["step"]) == v
+
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=window) as mngr:
+        model, optimizer = make(seed=1)
+        mngr.restore(4, target_state=optimizer, model=model)
+        assert int(optimizer.step[...]) == 4
+        bitwise_equal(snapshot(model, optimizer), snaps[4])
+        losses = train(mngr, model, optimizer, 4, steps)
+        for a, b in zip(losses, ref[4:]):
+            np.testing.assert_array_equal(a.reshape(-1).view(np.uint32), b.reshape(-1).view(np.uint32))
+
+
+def test_plain_nnx_optimizer_and_shape_mismatch(tmp_path):
+    model = nnx_init(CFG, 0)
+    plain = nnx.Optimizer(model, optax.adam(1e-3), wrt=nnx.Param)
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=1) as mngr:
+        with pytest.raises(TypeError, match=r"overlap_ckpt\.nnx\.Optimizer"):
+            mngr.prepare(plain, model)
+        model, optimizer = make()
+        mngr.prepare(optimizer, model)
+        train(mngr, model, optimizer, 0, INTERVAL + 1)
+        mngr.wait_until_finished()
+        model2, optimizer2 = make(CFG.replace(d_ff=48))
+        with pytest.raises(Exception) as info:
+            mngr.restore(4, target_state=optimizer2, model=model2)
+        msg = str(info.value)
+        assert "fc1" in msg and "kernel" in msg and "(16, 32)" in msg and "(16, 48)" in msg, msg

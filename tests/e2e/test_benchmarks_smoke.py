@@ -1,0 +1,67 @@
+"""Smoke test of the side-by-side benchmark (``python -m benchmarks.run``) at tiny size.
+
+No performance thresholds: it checks that every configuration runs and reports, and that the
+Markdown report (and, with matplotlib installed, the timeline plot) is written.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+from conftest import REPO
+
+from benchmarks.run import CONFIGS
+
+
+@pytest.mark.slow
+def test_benchmark_run_tiny(tmp_path):
+    out = tmp_path / "tiny"
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    env["JAX_PLATFORMS"] = "cpu"
+    r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--model", "tiny", "--steps", "24",
+                        "--intervals", "8", "--restore-repeats", "1", "--raw-repeats", "1",
+                        "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")],
+                       cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    report = json.loads((tmp_path / "tiny.json").read_text())
+    assert report["baseline"]["config"] == "none" and report["baseline"]["median_step_s"] > 0
+    got = {(x["config"], x["interval"]) for x in report["results"]}
+    assert got == {(c, 8) for c in CONFIGS}
+    for x in report["results"]:
+        if x["config"] == "overlap_idle":  # the per-step tax alone: no window is ever reached
+            assert x["checkpoints_measured"] == 0 and x["median_plain_step_s"] > 0
+            continue
+        assert x["checkpoints_measured"] >= 1, x["config"]
+        assert x["prediction"] is not None and 0 < x["prediction"]["ettr"] <= 1
+        assert x.get("restore_s") is not None, x["config"]
+    assert report["baseline"]["compile_s"] > 0 and all(x["compile_s"] > 0 for x in report["results"])
+    k = {x["config"]: x.get("k") for x in report["results"]}
+    assert k["overlap_k1"] == 1 and k["overlap_k3"] == 3 and k["overlap_auto"] == 1  # auto: 1 on CPU
+    assert len(report["targets"]) == 6 + len(report["intervals"])  # one ETTR target per interval
+    md = (tmp_path / "tiny.md").read_text()
+    for label in ("no checkpointing", "Orbax sync", "Orbax async", "overlap, no window reached", "overlap K=1",
+                  "overlap auto-K", "overlap K=3", "non-window step", "compile", "persist beside training",
+                  "restore >= 2x Orbax", "ETTR >= Orbax async's at N=8"):
+        assert label in md, label
+    try:
+        import matplotlib  # noqa: F401
+    except ImportError:
+        return
+    assert (tmp_path / "tiny_timeline.png").stat().st_size > 0
+
+
+def test_cli_simulate():
+    env = dict(os.environ)
+    env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
+    r = subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "simulate", "--params", "7B",
+                        "--accelerators", "8", "--step-time", "2"], env=env, capture_output=True,
+                       text=True, timeout=120)
+    assert r.returncode == 0, r.stderr
+    assert "overlap auto-K" in r.stdout and "ETTR @10" in r.stdout
+    bad = subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "simulate", "--params", "7B",
+                          "--intervals", "0"], env=env, capture_output=True, text=True, timeout=120)
+    assert bad.returncode == 1 and "error" in bad.stderr

@@ -1,0 +1,84 @@
+"""The accelerator-only branches, run on the CPU backend through overlap_ckpt.testing:
+isolation by optimization barrier, window="auto" choosing K from measurements, window
+copies in another memory kind. (The GPU runs themselves need a GPU.)"""
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+import pytest
+
+import overlap_ckpt as oc
+from overlap_ckpt import autok, costmodel
+from overlap_ckpt.testing import emulate_accelerator
+
+from conftest import assert_bitwise, assert_within_ulps, check_windows, make_params, run_loop
+
+@pytest.mark.parametrize("tx", [optax.adam(1e-2), optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2))],
+                         ids=["adam", "clip+adamw"])
+def test_barrier_isolation_replays_within_the_ulp_bound(tx):
+    with emulate_accelerator("gpu"):
+        engine, sink, refs = run_loop(tx, make_params([(37, 5), (5,), (300, 16)]), window=3, interval=6, steps=19)
+    assert engine.plan.platform == "gpu"  # the optimization_barrier branch of capture.isolated_gradients
+    assert sorted(sink.saved) == sorted(refs) == [6, 12, 18]
+    for version, ref in refs.items():
+        tree, _ = sink.saved[version]
+        assert_within_ulps((tree["params"], tree["opt_state"]), ref, f"version {version}")
+
+
+def _train_state(tx):
+    params = {"w": jnp.asarray(np.random.default_rng(0).standard_normal((64, 32), np.float32)), "b": jnp.zeros(32)}
+    return oc.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+
+@functools.partial(jax.jit, donate_argnums=0)
+def _step(state, x):
+    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+
+def test_window_auto_picks_the_k_the_cost_model_gives(tmp_path):
+    tx = optax.adam(1e-3)
+    step_time, bandwidth, interval = 0.01, 2e6, 20  # a slow link: one step cannot hide the copy
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    with emulate_accelerator("gpu", step_time_s=step_time, d2h_bytes_per_s=bandwidth):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
+            state = mngr.prepare(_train_state(tx))
+            assert mngr.engine.schedule.k == 1  # until measured
+            plan = mngr.engine.plan
+            want = costmodel.choose_k(costmodel.TrainingProfile(
+                step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
+                grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s), interval_steps=interval)
+            assert want > 1, "the numbers must make auto-K leave K=1, or this test proves nothing"
+            references = {}
+            for t in range(2 * interval + 1):
+                state = mngr.step(_step(state, x * (t + 1) / 10))
+                if (t + 1) % interval == 0:
+                    references[t + 1] = jax.device_get((state.params, state.opt_state))
+            assert mngr.engine.schedule.k == want and mngr.engine.plan.k == want
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [interval, 2 * interval]
+            for version, ref in references.items():
+                saved = mngr.restore(version)
+                assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")
+    assert autok.MEASURE_STEPS < interval
+
+
+def test_window_copies_in_another_memory_kind_stay_exact():
+    with emulate_accelerator("cpu", outbox_memory="unpinned_host"):
+        engine, sink, refs = run_loop(optax.adam(1e-2), make_params([(40, 6), (6,)]), window=2,
+                                      interval=4, steps=13)
+    assert engine.plan.outbox_memory == "unpinned_host"
+    check_windows(sink, refs)
+
+
+def test_emulation_is_undone():
+    with emulate_accelerator("gpu", outbox_memory="unpinned_host"):
+        pass
+    tx = optax.sgd(0.1)
+    engine, sink, refs = run_loop(tx, make_params([(8, 2)]), window=1, interval=2, steps=5)
+    assert engine.plan.platform == "cpu" and engine.plan.outbox_memory == "pinned_host"
+    tree, _ = sink.saved[2]
+    assert_bitwise((tree["params"], tree["opt_state"]), refs[2])

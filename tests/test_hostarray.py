@@ -1,0 +1,28 @@
+"""hostarray: a jax.Array as this process's host blocks (the one place that does it)."""
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from overlap_ckpt.hostarray import (HostArray, covers, extent, index_from_key, index_key, local_blocks,
+                                    normalize_index)
+
+
+def test_index_helpers():
+    index = normalize_index((slice(None), slice(2, None)), (4, 6))
+    assert index == (slice(0, 4), slice(2, 6)) and extent(index) == (4, 4)
+    assert index_from_key(index_key(index)) == index and hash(index_key(index))
+    assert covers((4, 6), [(slice(0, 2), slice(0, 6)), (slice(2, 4), slice(0, 6))])
+    assert not covers((4, 6), [(slice(0, 2), slice(0, 6))])
+
+
+def test_from_jax_copies_or_views_and_refuses_typed_keys():
+    x = jnp.arange(6.0).reshape(2, 3)
+    copy = HostArray.from_jax(x, copy=True)
+    assert copy.shards[0].data.flags.writeable and copy.to_numpy().tolist() == np.arange(6.0).reshape(2, 3).tolist()
+    view = HostArray.from_jax(x, copy=False)
+    assert not view.shards[0].data.flags.writeable
+    assert [index for index, _ in local_blocks(x)] == [(slice(0, 2), slice(0, 3))]
+    with pytest.raises(TypeError, match="key_data"):
+        HostArray.from_jax(jax.random.key(0), copy=True, where="rng")
