@@ -118,6 +118,7 @@ class CheckpointManager:
         self._skipped: collections.deque[int] = collections.deque(maxlen=1000)
         self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
         self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
+        self._stepped = threading.Event()  # set once step() has seen a trained state
         self._captured: collections.deque[int] = collections.deque(maxlen=16)  # versions whose window completed capture
         self._closed = False
 
@@ -165,6 +166,7 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failures()
+        self._stepped.set()
         if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
@@ -189,9 +191,10 @@ class CheckpointManager:
         training thread (K programs besides the user's own, seconds to minutes each for a
         large model). Call it after :meth:`prepare` with the jitted step and the arguments
         of one call, the prepared state among them (``mngr.compile_ahead(train_step, state,
-        batch)``); it returns at once, and plain steps run while the variants compile.
-        ``step_fn`` must be a ``jax.jit``-ed function (it needs ``.lower``). When
-        ``window="auto"`` changes K, the new variants are compiled the same way.
+        batch)``); it returns at once. The variants compile while plain steps run, starting
+        after the first step, so that two compiles of the whole step never hold their memory
+        at the same time. ``step_fn`` must be a ``jax.jit``-ed function (it needs ``.lower``).
+        When ``window="auto"`` changes K, the new variants are compiled the same way.
         """
         self._check_open()
         if self._door is None:
@@ -215,8 +218,13 @@ class CheckpointManager:
         door, plan = self._door, self.engine.plan
         tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
 
+        first_step = self._stepped
+
         def run() -> None:
+            first_step.wait()  # the user's own program is compiled (and its memory freed)
             for ticket in tickets:
+                if self._closed:
+                    return
                 call = [door.copy_with(a, ticket) if door.is_state(a) else a for a in args]
                 try:
                     step_fn.lower(*call, **kwargs).compile()
@@ -319,6 +327,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            self._stepped.set()  # a compile_ahead still waiting: let it finish or see it is moot
             for thread in self._compiling:  # a process must not exit in the middle of a compile
                 thread.join()
             if self.engine is not None:

@@ -318,12 +318,15 @@ class OverlapEngine:
                 if window.complete:
                     done, window = window, None
                     self._hand_off(done, item.metadata)
+                    del done  # the pool and the sink hold the copy now, nothing else
             except WindowAborted as e:
                 window = self._abort(window, str(e))
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, _short(e))
                 self._failures.append(WindowFailure(version, "replay", e))
                 window = self._abort(window, repr(e))
+            # Hold no captured array past its use: host memory has room for one copy.
+            item = None
 
     def _hand_off(self, window: WindowReplay, metadata: dict | None) -> None:
         params, opt_state, extras = window.result()

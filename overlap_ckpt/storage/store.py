@@ -458,6 +458,7 @@ class CheckpointStore:
             try:
                 self._persist_or_report(pending)
             finally:
+                pending = None  # hold no host copy past its persist (host memory budget)
                 with self._cv:
                     self._in_flight = None
                     self._cv.notify_all()
