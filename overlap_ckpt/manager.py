@@ -119,6 +119,7 @@ class CheckpointManager:
         self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
         self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
         self._stepped = threading.Event()  # set once step() has seen a trained state
+        self._ahead_error: BaseException | None = None  # a window variant that failed to compile
         self._captured: collections.deque[int] = collections.deque(maxlen=16)  # versions whose window completed capture
         self._closed = False
 
@@ -167,6 +168,12 @@ class CheckpointManager:
         self._check_open()
         self._raise_failures()
         self._stepped.set()
+        if self._ahead_error is not None:
+            error, self._ahead_error = self._ahead_error, None
+            raise ConfigError(
+                f"the window variant of the train step does not compile ({type(error).__name__}: "
+                f"{_short(error)}); this step would fail at the first checkpoint window. See "
+                "docs/porting.md for the supported loop styles.") from error
         if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
@@ -228,9 +235,8 @@ class CheckpointManager:
                 call = [door.copy_with(a, ticket) if door.is_state(a) else a for a in args]
                 try:
                     step_fn.lower(*call, **kwargs).compile()
-                except Exception as e:  # noqa: BLE001 - the real step will raise it where it belongs
-                    log.warning("compile_ahead: phase %d did not compile (%s: %s); it compiles when "
-                                "it first runs", ticket.phase, type(e).__name__, _short(e))
+                except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
+                    self._ahead_error = e
                     return
 
         thread = threading.Thread(target=run, name="overlap-ckpt-compile-ahead", daemon=True)

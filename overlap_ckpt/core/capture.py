@@ -187,6 +187,7 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     if plan.tx is not tx:
         raise ValueError("capture_update: the ticket was planned for another optax transformation "
                          "than the one given; plan with the optimizer the step uses")
+    _check_shapes(plan, params)
     cuts: list = []
     if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
         new_params, new_state = plan.update(params, opt_state, grads)
@@ -204,6 +205,18 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     if not ticket.last:
         outbox.grads, outbox.globals = capture_grads(ticket, grads, cuts)
     return new_params, new_state, outbox
+
+
+def _check_shapes(plan: CapturePlan, params) -> None:
+    """The update must see the arrays the plan was made for: inside ``shard_map`` (or
+    ``vmap``) it sees per-device blocks, which no slice of the plan describes."""
+    for x, layout in zip(jax.tree.leaves(params), plan.params):
+        if tuple(x.shape) != layout.shape:
+            raise TypeError(
+                f"the optimizer update of a checkpoint window sees a parameter of shape {tuple(x.shape)} "
+                f"where the train state holds {layout.shape}: apply_gradients / optimizer.update runs "
+                "inside shard_map or vmap. Call it outside, on the global arrays (compute the "
+                "gradients inside shard_map if you like).")
 
 
 def capture_state(ticket: WindowTicket, params, opt_state, extras: Any) -> Outbox:

@@ -82,15 +82,29 @@ def standard_tree(parts: Parts) -> dict:
     return {"params": parts.params, "opt_state": parts.opt_state, **parts.extras}
 
 
-def committed(tree: Any) -> Any:
-    """Every array of ``tree`` committed to the devices it is on.
+def committed(tree: Any, like: Any = None) -> Any:
+    """Every array of ``tree`` committed to its devices.
 
     A freshly initialised state holds *uncommitted* arrays, while a window step returns
     arrays committed to their devices (its host-memory outputs pin the placement). Jit keys
     its cache on that difference, so without this the first plain step after a window would
-    compile the train step once more.
+    compile the train step once more. An uncommitted array on other devices than ``like``
+    (the params, e.g. on a mesh) goes to ``like``'s devices, replicated: committing a fresh
+    step counter to device 0 next to mesh-sharded params would make the step unrunnable.
     """
-    return jax.tree.map(lambda x: jax.device_put(x, x.sharding) if isinstance(x, jax.Array) else x, tree)
+    target = None
+    if isinstance(like, jax.Array):
+        sharding = like.sharding
+        target = (jax.sharding.NamedSharding(sharding.mesh, jax.sharding.PartitionSpec())
+                  if isinstance(sharding, jax.sharding.NamedSharding) else sharding)
+
+    def put(x):
+        if not isinstance(x, jax.Array) or x.committed:
+            return x
+        if target is not None and x.sharding.device_set != target.device_set:
+            return jax.device_put(x, target)
+        return jax.device_put(x, x.sharding)
+    return jax.tree.map(put, tree)
 
 
 def abstract_tree(tree: Any) -> Any:

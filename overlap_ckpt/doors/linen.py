@@ -182,7 +182,8 @@ class LinenDoor:
         step = state.step
         if not isinstance(step, jax.Array):
             state = state.replace(step=jax.numpy.asarray(step, dtype=jax.numpy.int32))
-        return committed(state)
+        leaves = jax.tree.leaves(state.params)
+        return committed(state, like=leaves[0] if leaves else None)
 
     def attach(self, state: TrainState, ticket: WindowTicket | None) -> TrainState:
         return state.replace(ckpt_window=ticket)

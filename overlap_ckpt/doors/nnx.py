@@ -209,8 +209,9 @@ class NnxDoor(_PlainTrees):
 
     def prepared(self, optimizer: Optimizer) -> Optimizer:
         """Arrays committed in place (see :func:`committed`)."""
+        like = next(iter(jax.tree.leaves(model_params(optimizer, self.model))), None)
         for obj in (self.model, optimizer):
-            nnx.update(obj, committed(nnx.state(obj)))
+            nnx.update(obj, committed(nnx.state(obj), like))
         return optimizer
 
     def attach(self, optimizer: Optimizer, ticket: WindowTicket | None) -> Optimizer:
@@ -262,7 +263,8 @@ class NnxStateDoor(_PlainTrees):
         return int(self.objects(state)[0].step[...])
 
     def prepared(self, state: nnx.State) -> nnx.State:
-        return committed(state)
+        optimizer, model = self.objects(state)
+        return committed(state, next(iter(jax.tree.leaves(model_params(optimizer, model))), None))
 
     def _slot(self, state: nnx.State) -> WindowSlot:
         node = state

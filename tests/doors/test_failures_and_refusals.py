@@ -202,3 +202,43 @@ def test_a_directory_of_another_format_is_not_silently_empty(tmp_path):
     (tmp_path / "README").write_text("notes")
     with oc.CheckpointManager(tmp_path / "fresh") as reader:
         assert reader.latest_step() is None
+
+
+SHARD_MAP_UPDATE = r'''
+import functools, tempfile
+import jax, jax.numpy as jnp, optax
+from jax.sharding import NamedSharding, PartitionSpec as P
+import overlap_ckpt as oc
+from overlap_ckpt.errors import ConfigError
+
+mesh = jax.make_mesh((2,), ("d",))
+params = {"w": jax.device_put(jnp.ones((8, 4)), NamedSharding(mesh, P("d")))}
+state = oc.TrainState.create(apply_fn=None, params=params, tx=optax.sgd(0.1))
+
+specs = jax.tree.map(lambda a: P("d") if jnp.ndim(a) == 2 else P(), state)
+
+@functools.partial(jax.jit, donate_argnums=0)
+def train_step(state, x):
+    def local(state, x):  # the whole step, update included, inside shard_map: not supported
+        grads = jax.grad(lambda p: jnp.sum(x @ p["w"].T))(state.params)
+        return state.apply_gradients(grads=grads)
+    return jax.shard_map(local, mesh=mesh, in_specs=(specs, P()), out_specs=specs, check_vma=False)(state, x)
+
+with oc.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=1000, window=2) as mngr:
+    state = mngr.prepare(state)
+    thread = mngr.compile_ahead(train_step, state, jnp.ones((2, 4)))
+    state = mngr.step(train_step(state, jnp.ones((2, 4))))  # the plain step works
+    thread.join()
+    try:
+        mngr.step(train_step(state, jnp.ones((2, 4))))
+    except ConfigError as e:
+        message = str(e)
+        assert "shard_map" in message and len(message) < 2000, message
+        print("REFUSED-EARLY")
+'''
+
+
+def test_an_update_inside_shard_map_is_refused_long_before_the_first_window():
+    from conftest import run_python
+    result = run_python(SHARD_MAP_UPDATE, devices=2)
+    assert "REFUSED-EARLY" in result.stdout, result.stdout[-2000:] + result.stderr[-4000:]

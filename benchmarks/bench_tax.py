@@ -1,0 +1,143 @@
+"""The per-step cost of overlap_ckpt outside checkpoint windows, measured in one process.
+
+    python -m benchmarks.bench_tax --model 20m --batch-size 2 --rounds 10 --out benchmarks/results/cpu_20m_tax
+
+Separate processes (``benchmarks.run``) cannot resolve a 1% difference on a shared machine:
+the same program measured in two runs differs by several percent. Here three loops share one
+process, one jitted step and the same batches, and take turns, a few steps each, in an order
+rotated every round:
+
+* ``plain``: ``overlap_ckpt.TrainState`` never given to a manager (Flax's program);
+* ``idle``: a ``CheckpointManager`` whose interval is never reached, ``mngr.step`` every step;
+* ``windows``: a ``CheckpointManager`` with K=1 windows every ``--interval`` steps; only its
+  steps outside windows are timed (window steps and the steps right after them, which share
+  the cores with the background persist, are reported apart).
+
+Reported: medians and the median of per-round ratios to ``plain`` (paired), as JSON and a
+Markdown table. Every step ends with ``jax.block_until_ready`` (the same sync in every loop).
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import tempfile
+import time
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="tiny", choices=("tiny", "small", "20m", "100m"))
+    ap.add_argument("--batch-size", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=10)
+    ap.add_argument("--steps-per-turn", type=int, default=4)
+    ap.add_argument("--interval", type=int, default=10)
+    ap.add_argument("--out", default=None, help="output prefix: <out>.json and <out>.md")
+    args = ap.parse_args(argv)
+
+    import jax
+    import optax
+
+    import overlap_ckpt as oc
+    from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+
+    config = LMConfig.preset(args.model)
+    model = TransformerLM(config)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
+    data = SyntheticTokens(config.vocab_size, config.seq_len, args.batch_size, seed=0)
+    device = jax.devices()[0]
+    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(8)]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    def fresh():
+        state = oc.TrainState.create(apply_fn=model.apply, params=linen_init(config, 0), tx=tx)
+        return jax.device_put(state.replace(step=jax.numpy.int32(0)), device)
+
+    root = tempfile.mkdtemp(prefix="bench_tax_")
+    idle = oc.CheckpointManager(os.path.join(root, "idle"), save_interval_steps=10**9, window=1)
+    windows = oc.CheckpointManager(os.path.join(root, "windows"), save_interval_steps=args.interval, window=1)
+    loops = {"plain": [fresh(), None], "idle": [idle.prepare(fresh()), idle],
+             "windows": [windows.prepare(fresh()), windows]}
+    windows.compile_ahead(train_step, loops["windows"][0], batches[0])
+    times: dict[str, list[float]] = {name: [] for name in loops}
+    near_window: list[float] = []
+    per_round: dict[str, list[float]] = {name: [] for name in loops}
+    counters = {name: 0 for name in loops}
+
+    def run(name: str, steps: int, record: bool) -> list[float]:
+        state, mngr = loops[name]
+        out = []
+        for _ in range(steps):
+            t = counters[name]
+            window = mngr is not None and mngr.engine.schedule.target(t) is not None
+            after = mngr is not None and mngr.engine.schedule.target(t - 1) is not None
+            start = time.perf_counter()
+            state, loss = train_step(state, batches[t % len(batches)])
+            if mngr is not None:
+                state = mngr.step(state)
+            jax.block_until_ready((state.params, loss))
+            dt = time.perf_counter() - start
+            counters[name] = t + 1
+            if record:
+                (near_window if name == "windows" and (window or after) else out).append(dt)
+        loops[name][0] = state
+        return out
+
+    names = list(loops)
+    for name in names:  # compile and warm up (the windows loop through one window)
+        run(name, args.interval + 2, record=False)
+    windows.wait_until_finished()
+    for r in range(args.rounds):
+        order = names[r % len(names):] + names[:r % len(names)]
+        for name in order:
+            got = run(name, args.steps_per_turn, record=True)
+            times[name] += got
+            if got:
+                per_round[name].append(statistics.median(got))
+    idle.close()
+    windows.close()
+
+    def paired(name: str) -> float:
+        pairs = [b / a for a, b in zip(per_round["plain"], per_round[name])]
+        return statistics.median(pairs)
+
+    report = {
+        "benchmark": "bench_tax", "model": args.model, "batch_size": args.batch_size,
+        "rounds": args.rounds, "steps_per_turn": args.steps_per_turn, "interval": args.interval,
+        "optimizer": "clip_by_global_norm + adamw", "device": str(device),
+        "loadavg_at_end": list(os.getloadavg()),
+        "median_step_s": {name: statistics.median(v) for name, v in times.items() if v},
+        "paired_ratio_to_plain": {name: paired(name) for name in ("idle", "windows")},
+        "min_step_s": {name: min(v) for name, v in times.items() if v},
+        "steps_measured": {name: len(v) for name, v in times.items()},
+        "window_and_next_step_median_s": statistics.median(near_window) if near_window else None,
+    }
+    lines = [f"# Per-step cost outside windows: {args.model}, one process, {args.rounds} interleaved rounds", "",
+             "| loop | median step ms | min ms | paired ratio to plain | steps |", "|---|--:|--:|--:|--:|"]
+    for name in names:
+        ratio = "1" if name == "plain" else f"{report['paired_ratio_to_plain'][name]:.4f}"
+        lines.append(f"| {name} | {report['median_step_s'][name] * 1e3:.1f} | {report['min_step_s'][name] * 1e3:.1f} "
+                     f"| {ratio} | {report['steps_measured'][name]} |")
+    if near_window:
+        lines += ["", f"Window steps of the `windows` loop and the steps right after them (persist beside "
+                      f"training): median {report['window_and_next_step_median_s'] * 1e3:.1f} ms over "
+                      f"{len(near_window)} steps (not in the table)."]
+    md = "\n".join(lines) + "\n"
+    print(md)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump(report, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(md)
+    return report
+
+
+if __name__ == "__main__":
+    main()
