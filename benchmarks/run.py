@@ -169,8 +169,8 @@ def worker(spec: dict) -> dict:
     if cfg_name.startswith("overlap"):
         # overlap_idle: a manager whose interval is never reached (the per-step tax alone)
         interval = 10**9 if cfg_name == "overlap_idle" else n
-        mngr = oc.CheckpointManager(ckpt_dir, save_interval_steps=interval, max_to_keep=2,
-                                    window=WINDOWS[cfg_name],
+        store = oc.storage.CheckpointStore(ckpt_dir, max_to_keep=2, copy_threads=spec.get("copy_threads"))
+        mngr = oc.CheckpointManager(save_interval_steps=interval, window=WINDOWS[cfg_name], store=store,
                                     persist_bytes_per_s=spec.get("persist_bytes_per_s") or 1e9)
         state = mngr.prepare(state)
         if spec.get("compile_ahead", True):
@@ -590,6 +590,8 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--compile-cache", action="store_true",
                     help="share a JAX compilation cache between runs (faster; compile times then meaningless)")
     ap.add_argument("--no-compile-ahead", action="store_true", help="overlap runs do not call compile_ahead")
+    ap.add_argument("--copy-threads", type=int, default=None,
+                    help="CheckpointStore(copy_threads=) of the overlap runs (default: one per core)")
     args = ap.parse_args(argv)
     if any(n < 3 for n in args.intervals) and "overlap_k3" in args.configs:
         ap.error("overlap_k3 needs intervals >= 3")
@@ -621,7 +623,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         common = {"model": args.model, "batch_size": batch_size, "platform": args.platform,
                   "ckpt_root": ckpt_root, "restore_repeats": args.restore_repeats,
                   "persist_bytes_per_s": raw["median_gibps"] * GIB, "optimizer": args.optimizer,
-                  "compile_ahead": not args.no_compile_ahead}
+                  "compile_ahead": not args.no_compile_ahead, "copy_threads": args.copy_threads}
         base_steps = args.steps
         plan = [("none", 0)] + [(cfg, n) for n in args.intervals for cfg in args.configs]
         best: dict[tuple[str, int], dict] = {}

@@ -98,6 +98,9 @@ class CheckpointStore:
         endpoint or bucket fails a persist in seconds rather than TensorStore's default of
         32 retries (many minutes); the error surfaces from the next ``save`` or
         ``wait_until_finished``. No effect on local paths.
+      copy_threads: how many threads TensorStore may use to encode and checksum chunks
+        (``None``: one per core). Lower it to leave cores to training on a small host; the
+        writes themselves are I/O and not counted here.
       coordinator: process topology (see :class:`Coordinator`). Default: a
         :class:`overlap_ckpt.storage.coordination.JaxDistributedCoordinator` when ``jax.distributed``
         is initialized with more than one process, else single-process.
@@ -108,7 +111,8 @@ class CheckpointStore:
                  on_backpressure: Backpressure = "drop_oldest", item_name: str = layout.ITEM_NAME,
                  read_only: bool = False, chunk_bytes: int = 4 << 20,
                  max_inflight_bytes: int = 1 << 30, ocdbt_target_data_file_size: int | None = None,
-                 coordinator: Coordinator | None = None, max_request_retries: int = 8):
+                 coordinator: Coordinator | None = None, max_request_retries: int = 8,
+                 copy_threads: int | None = None):
         retention.validate(max_to_keep, keep_every_n_steps)
         if not isinstance(max_pending_host_copies, int) or max_pending_host_copies < 1:
             raise ValueError(f"max_pending_host_copies must be an int >= 1, got {max_pending_host_copies!r}")
@@ -125,7 +129,8 @@ class CheckpointStore:
         self.max_inflight_bytes = int(max_inflight_bytes)
         self.ocdbt_target_data_file_size = ocdbt_target_data_file_size
         self._coord: Coordinator = coordinator or default_coordinator() or SingleProcess()
-        self._context = writer.make_context(root_context(), request_retries=max_request_retries)
+        self._context = writer.make_context(root_context(), request_retries=max_request_retries,
+                                            data_copy_concurrency=copy_threads)
         self.location: Location = open_location(directory, self._context)
         self._lock: DirectoryLock | None = None
         try:
