@@ -1,5 +1,7 @@
 """Exceptions raised by overlap_ckpt, one class per kind of fault so callers can react."""
 
+import dataclasses
+
 
 class OverlapCkptError(Exception):
     """Base class of every error raised by overlap_ckpt."""
@@ -35,3 +37,27 @@ class CheckpointError(OverlapCkptError):
         self.step = step
         self.path = path
         self.failures = failures
+
+
+@dataclasses.dataclass(frozen=True)
+class CheckpointFailure:
+    """One checkpoint that was not written: its step, the stage that failed, the cause.
+
+    The engine records the "replay" and "handoff" stages, the storage the "persist" one;
+    :class:`overlap_ckpt.CheckpointManager` keeps them all in ``failed_steps()``.
+    """
+
+    step: int | None
+    stage: str  # "replay", "handoff", "persist"
+    error: BaseException
+
+    def __str__(self) -> str:
+        where = f"step {self.step}" if self.step is not None else "a step"
+        return f"{where} failed in {self.stage}: {type(self.error).__name__}: {brief(self.error)}"
+
+
+def brief(error: BaseException, limit: int = 300) -> str:
+    """``error``'s message on one line, cut at ``limit`` characters: XLA and tracer messages
+    run to pages, and a log line or a wrapping error needs only their start."""
+    text = " ".join(str(error).split())
+    return text if len(text) <= limit else text[:limit] + "..."

@@ -32,7 +32,7 @@ from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
-from .errors import CheckpointError, ConfigError
+from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
 from .save_tree import Arrange, SaveTree
 
 log = logging.getLogger(__name__)
@@ -40,19 +40,6 @@ log = logging.getLogger(__name__)
 DEFAULT_HOST_BUDGET = 1.25  # x the state's bytes: one host copy at a time, plus transients
 MIN_HOST_HEADROOM = 16 << 20  # small states: a second copy costs nothing worth skipping for
 _KEEP_TRACEBACKS = 16  # failures older than this keep their message, not their frames
-
-
-@dataclasses.dataclass(frozen=True)
-class CheckpointFailure:
-    """One checkpoint that was not written: its step, the stage that failed, the cause."""
-
-    step: int | None
-    stage: str  # "replay", "handoff", "persist"
-    error: BaseException
-
-    def __str__(self) -> str:
-        where = f"step {self.step}" if self.step is not None else "a step"
-        return f"{where} failed in {self.stage}: {type(self.error).__name__}: {_short(self.error)}"
 
 
 class CheckpointManager:
@@ -167,12 +154,13 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failures()
-        self._stepped.set()
+        if not self._stepped.is_set():  # a lock-free read: the hot path pays no Condition
+            self._stepped.set()
         if self._ahead_error is not None:
             error, self._ahead_error = self._ahead_error, None
             raise ConfigError(
                 f"the window variant of the train step does not compile ({type(error).__name__}: "
-                f"{_short(error)}); this step would fail at the first checkpoint window. See "
+                f"{brief(error)}); this step would fail at the first checkpoint window. See "
                 "docs/porting.md for the supported loop styles.") from error
         if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
@@ -473,11 +461,12 @@ class CheckpointManager:
     def _collect(self) -> list[CheckpointFailure]:
         new = []
         if self.engine is not None:
-            new += [CheckpointFailure(f.step, f.stage, f.error) for f in self.engine.take_failures()]
+            new += self.engine.take_failures()
         new += [CheckpointFailure(getattr(e, "step", None), "persist", e) for e in self.store.take_errors()]
-        self._failures += new
-        for old in self._failures[:-_KEEP_TRACEBACKS]:
-            _drop_traceback(old.error)  # frames of a failed persist hold its host copy alive
+        if new:
+            self._failures += new
+            for old in self._failures[:-_KEEP_TRACEBACKS]:
+                _drop_traceback(old.error)  # frames of a failed persist hold its host copy alive
         return new
 
     def _raise_failures(self, always: bool = False) -> None:
@@ -501,11 +490,6 @@ def _drop_traceback(error: BaseException | None) -> None:
     while error is not None and error.__traceback__ is not None:
         error.__traceback__ = None
         error = error.__cause__ or error.__context__
-
-
-def _short(e: BaseException, limit: int = 300) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[:limit] + "..."
 
 
 __all__ = ["CheckpointManager", "CheckpointFailure"]

@@ -24,7 +24,7 @@ from typing import Any, Callable, Collection, Protocol
 
 import optax
 
-from ..errors import UnsupportedOptimizerError, WindowAborted
+from ..errors import CheckpointFailure, UnsupportedOptimizerError, WindowAborted, brief
 from .buffers import HostBuffers
 from . import backend
 from .capture import Outbox, WindowTicket
@@ -60,18 +60,6 @@ class MemorySink:
 
     def busy_steps(self) -> Collection[int]:
         return self.saved.keys()  # kept for good: never reused
-
-
-@dataclasses.dataclass(frozen=True)
-class WindowFailure:
-    """A checkpoint that was not taken: its version, the stage that failed, the cause."""
-
-    step: int
-    stage: str  # "replay" (capture or host replay) or "handoff" (the sink refused it)
-    error: BaseException
-
-    def __str__(self) -> str:
-        return f"step {self.step} ({self.stage}): {type(self.error).__name__}: {self.error}"
 
 
 class BufferPool:
@@ -157,7 +145,7 @@ class OverlapEngine:
         self._programs: dict[CapturePlan, ReplayPrograms] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pool = BufferPool(sink)
-        self._failures: collections.deque[WindowFailure] = collections.deque()
+        self._failures: collections.deque[CheckpointFailure] = collections.deque()
         self.windows_completed = 0
         self.windows_aborted = 0
         self.replay_seconds = 0.0  # host time spent receiving and replaying phases
@@ -227,7 +215,7 @@ class OverlapEngine:
         except Exception as e:  # noqa: BLE001 - any failure here means: cannot replay this way
             if not plan.chunked:
                 raise _unreplayable(e) from e
-            log.info("row-chunked replay is not exact for this optimizer (%s); using whole-leaf slices", _short(e))
+            log.info("row-chunked replay is not exact for this optimizer (%s); using whole-leaf slices", brief(e))
             plan = plan_with(False)
             try:
                 self._rehearse(plan)
@@ -262,7 +250,7 @@ class OverlapEngine:
         """Free the host memory of copies the sink has finished with (before a new window)."""
         self._pool.release_idle()
 
-    def take_failures(self) -> list[WindowFailure]:
+    def take_failures(self) -> list[CheckpointFailure]:
         """Failures recorded since the last call (each one exactly once), oldest first."""
         out = []
         while self._failures:
@@ -322,8 +310,8 @@ class OverlapEngine:
             except WindowAborted as e:
                 window = self._abort(window, str(e))
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
-                log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, _short(e))
-                self._failures.append(WindowFailure(version, "replay", e))
+                log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, brief(e))
+                self._failures.append(CheckpointFailure(version, "replay", e))
                 window = self._abort(window, repr(e))
             # Hold no captured array past its use: host memory has room for one copy.
             item = None
@@ -335,8 +323,8 @@ class OverlapEngine:
             self.sink.put(window.version, self.combine(params, opt_state, extras), metadata)
         except BaseException as e:  # noqa: BLE001 - this step only: the sink refused it
             log.error("checkpoint step %d was not handed to storage: %s: %s", window.version,
-                      type(e).__name__, _short(e))
-            self._failures.append(WindowFailure(window.version, "handoff", e))
+                      type(e).__name__, brief(e))
+            self._failures.append(CheckpointFailure(window.version, "handoff", e))
             return
         self._pool.lend(window.version, window.buffers)
         self.windows_completed += 1
@@ -353,9 +341,4 @@ def _unreplayable(e: BaseException) -> UnsupportedOptimizerError:
         return e
     return UnsupportedOptimizerError(
         f"the host cannot replay this optimizer on slices of the state ({type(e).__name__}: "
-        f"{_short(e)}). Use window=1, or an optimizer from docs/optimizers.md.")
-
-
-def _short(e: BaseException, limit: int = 400) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= limit else text[:limit] + "..."
+        f"{brief(e)}). Use window=1, or an optimizer from docs/optimizers.md.")

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-from ..errors import UnsupportedOptimizerError
+from ..errors import UnsupportedOptimizerError, brief
 from .interp import InterpretError, Tokens, interpret
 
 UpdateFn = Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -118,7 +118,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
     except Exception as e:  # noqa: BLE001 - the optimizer itself fails on this tree
         raise UnsupportedOptimizerError(
             f"the optimizer's update fails on this train state ({type(e).__name__}: "
-            f"{_first_line(e)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
+            f"{brief(e)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
             "the params tree as the train state holds it; optimizers that need another params "
             "type (optax.lookahead's LookaheadParams) or extra update arguments are not "
             "supported.") from e
@@ -196,8 +196,3 @@ def _read_with(j: int, co_reads, state_leaves, params_leaves, state_paths, param
     if tuple(state_leaves[j].shape) != tuple(params_leaves[k].shape):
         return None  # broadcast against a differently shaped leaf: keep it shared
     return k
-
-
-def _first_line(e: BaseException, limit: int = 300) -> str:
-    text = str(e).strip().splitlines()[0] if str(e).strip() else ""
-    return text if len(text) <= limit else text[:limit] + "..."

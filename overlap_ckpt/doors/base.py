@@ -5,6 +5,8 @@ an NNX ``Optimizer``, an ``nnx.State``...). A door turns it into the three trees
 plans and saves, tells the jitted step whether it is in a window, and takes the outbox back:
 
 * ``parts(state)``: :class:`Parts` (params, opt_state, extras and the optax transformation);
+* ``step_number(state)`` / ``prepared(state)``: the state's step (read once, at prepare),
+  and the state as the first step should get it (arrays committed, see :func:`committed`);
 * ``attach(state, ticket)``: the state for the next step, carrying ``ticket``
   (:class:`~overlap_ckpt.core.capture.WindowTicket`); the state must flatten its ticket/
   outbox slot *last*, so that ``jit(donate_argnums=...)`` pairs every donated leaf with its
@@ -30,13 +32,13 @@ rearrange it (``CheckpointManager(save_tree=...)``), see :mod:`overlap_ckpt.layo
 from __future__ import annotations
 
 import dataclasses
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import jax
 import optax
 
 from ..core.capture import Outbox, WindowTicket
-from ..hostarray import is_prng_key
+from ..hostarray import HostArray, is_prng_key
 
 
 @dataclasses.dataclass(frozen=True)
@@ -48,6 +50,12 @@ class Parts:
     extras: dict[str, Any]  # "step" and every other saved field, by name
     tx: optax.GradientTransformation
 
+    def map(self, fn: Callable[..., Any], *others: "Parts") -> "Parts":
+        """``fn`` applied to every leaf of the three trees (with the matching leaves of
+        ``others``, trees of the same structure); the optimizer stays."""
+        return Parts(*(jax.tree.map(fn, getattr(self, name), *(getattr(o, name) for o in others))
+                       for name in ("params", "opt_state", "extras")), self.tx)
+
 
 class Door(Protocol):
     name: str  # recorded in the checkpoint's metadata ("linen", "nnx", "nnx-functional", "pmap")
@@ -57,6 +65,8 @@ class Door(Protocol):
     def parts(self, state: Any) -> Parts: ...
 
     def step_number(self, state: Any) -> int: ...
+
+    def prepared(self, state: Any) -> Any: ...
 
     def attach(self, state: Any, ticket: WindowTicket | None) -> Any: ...
 
@@ -107,22 +117,26 @@ def committed(tree: Any, like: Any = None) -> Any:
     return jax.tree.map(put, tree)
 
 
-def abstract_tree(tree: Any) -> Any:
-    """Shapes, dtypes and shardings of ``tree`` as a restore target, from metadata only (the
-    buffers may be donated already); typed PRNG keys as their key data, as they are saved;
-    Python numbers as the arrays a step would make of them."""
-    def leaf(x):
-        if is_prng_key(x):
-            data = jax.eval_shape(jax.random.key_data, x)
-            return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
-        if not isinstance(x, jax.Array):
-            x = jax.numpy.asarray(x, dtype=jax.numpy.int32 if isinstance(x, int) else None)
-        return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
-    return jax.tree.map(leaf, tree)
+def abstract_leaf(x: Any) -> jax.ShapeDtypeStruct:
+    """Shape, dtype and sharding of ``x`` as a restore target, from metadata only (the
+    buffer may be donated already); a typed PRNG key as its key data, as it is saved; a
+    Python number as the array a step would make of it."""
+    if is_prng_key(x):
+        data = jax.eval_shape(jax.random.key_data, x)
+        return jax.ShapeDtypeStruct(data.shape, data.dtype, sharding=x.sharding)
+    if not isinstance(x, jax.Array):
+        x = jax.numpy.asarray(x, dtype=jax.numpy.int32 if isinstance(x, int) else None)
+    return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding)
 
 
 def abstract_parts(parts: Parts) -> Parts:
-    return Parts(abstract_tree(parts.params), abstract_tree(parts.opt_state), abstract_tree(parts.extras), parts.tx)
+    return parts.map(abstract_leaf)
+
+
+def host_copy(parts: Parts) -> Parts:
+    """Host copies of the parts' arrays that own their memory (a later step may donate the
+    device buffers): what a synchronous save writes."""
+    return parts.map(lambda x: HostArray.from_jax(x, copy=True) if isinstance(x, jax.Array) else x)
 
 
 def keys_as_data(tree: Any) -> Any:

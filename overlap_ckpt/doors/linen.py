@@ -40,7 +40,7 @@ from flax.training import train_state
 from ..core import backend
 from ..core.capture import Outbox, WindowTicket, capture_update
 from ..hostarray import HostArray
-from .base import Parts, abstract_parts, committed, keys_as_data, keys_like, refuse_stale_outbox
+from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
 # Fields that are not "extras" of the checkpoint (captured as params/opt_state, static,
 # or the checkpointer's own slot).
@@ -203,11 +203,7 @@ class LinenDoor:
         return slot, state.replace(ckpt_window=None)
 
     def snapshot(self, state: TrainState) -> Parts:
-        """Host copies that own their memory (a later step may donate the device buffers)."""
-        copy = lambda x: HostArray.from_jax(x, copy=True) if isinstance(x, jax.Array) else x  # noqa: E731
-        parts = self.parts(state)
-        return Parts(jax.tree.map(copy, parts.params), jax.tree.map(copy, parts.opt_state),
-                     jax.tree.map(copy, parts.extras), parts.tx)
+        return host_copy(self.parts(state))
 
     def plain(self, tree: Any) -> Any:
         return tree
@@ -244,9 +240,7 @@ class PmapDoor(LinenDoor):
         device = jax.local_devices()[0]
         one = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
             x.shape[1:], x.dtype, sharding=jax.sharding.SingleDeviceSharding(device))
-        parts = abstract_parts(Parts(state.params, state.opt_state, raw_extras(state), state.tx))
-        return Parts(jax.tree.map(one, parts.params), jax.tree.map(one, parts.opt_state),
-                     jax.tree.map(one, parts.extras), parts.tx)
+        return abstract_parts(Parts(state.params, state.opt_state, raw_extras(state), state.tx)).map(one)
 
     def step_number(self, state: TrainState) -> int:
         return int(np.asarray(state.step.addressable_shards[0].data).reshape(-1)[0])
@@ -261,20 +255,13 @@ class PmapDoor(LinenDoor):
         return outbox, state
 
     def snapshot(self, state: TrainState) -> Parts:
-        parts = LinenDoor.parts(self, state)
-        copy = lambda x: HostArray.from_numpy(np.array(_first_replica(x)))  # noqa: E731
-        return Parts(jax.tree.map(copy, parts.params), jax.tree.map(copy, parts.opt_state),
-                     jax.tree.map(copy, parts.extras), parts.tx)
+        return LinenDoor.parts(self, state).map(lambda x: HostArray.from_numpy(np.array(_first_replica(x))))
 
     def restore_target(self, state: TrainState) -> Parts:
         return self.parts(state)
 
     def restored(self, state: TrainState, parts: Parts) -> TrainState:
-        like = LinenDoor.parts(self, state)
-        parts = Parts(jax.tree.map(_replicate, parts.params, like.params),
-                      jax.tree.map(_replicate, parts.opt_state, like.opt_state),
-                      jax.tree.map(_replicate, parts.extras, like.extras), parts.tx)
-        return super().restored(state, parts)
+        return super().restored(state, parts.map(_replicate, LinenDoor.parts(self, state)))
 
 
 def _replicate(x: jax.Array, like: jax.Array) -> jax.Array:

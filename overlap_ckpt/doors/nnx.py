@@ -47,8 +47,7 @@ from flax import nnx
 
 from ..core import backend
 from ..core.capture import Outbox, WindowTicket, capture_update
-from ..hostarray import HostArray
-from .base import Parts, abstract_parts, committed, keys_as_data, keys_like, refuse_stale_outbox
+from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
 _SLOT = "zz_ckpt_window"
 
@@ -184,12 +183,6 @@ class _PlainTrees:
 def restore_target_of(optimizer: Optimizer, model: nnx.Module) -> Parts:
     return abstract_parts(Parts(model_params(optimizer, model), _pure(optimizer.opt_state),
                                 nnx_extras(optimizer, model, raw=True), optimizer.tx))
-
-
-def host_copy(parts: Parts) -> Parts:
-    copy = lambda x: HostArray.from_jax(x, copy=True)  # noqa: E731
-    return Parts(jax.tree.map(copy, parts.params), jax.tree.map(copy, parts.opt_state),
-                 jax.tree.map(copy, parts.extras), parts.tx)
 
 
 class NnxDoor(_PlainTrees):

@@ -264,65 +264,71 @@ def _worker_env() -> dict:
     return env
 
 
+def _follow(w: _Worker, out: _Progress, stage: str, steps: int, other=lambda e, commits: False):
+    """The step and commit events of worker ``w`` as they arrive, progress shown; every
+    other event goes to ``other(event, commits so far)``, which returns True to stop."""
+    events, commits = [], []
+    for e in w.events():
+        if e["ev"] == "step":
+            events.append(e)
+            out.step(stage, e["t"], steps)
+        elif e["ev"] == "commit":
+            commits.append(e)
+        elif other(e, commits):
+            break
+    out.end()
+    return events, commits
+
+
 def _reference_run(common: list[str], env: dict, out: _Progress, steps: int) -> dict[int, int]:
     """Stage 1: an uninterrupted run with the same checkpoint schedule; its losses by step."""
     scratch = tempfile.mkdtemp(prefix="overlap_ckpt_demo_reference_")
     try:
         w = _Worker(["--dir", os.path.join(scratch, "ckpt"), *common], env)
-        losses = {}
-        for e in w.events():
-            if e["ev"] == "step":
-                losses[e["t"]] = e["loss"]
-                out.step("reference", e["t"], steps)
-        out.end()
+        events, _ = _follow(w, out, "reference", steps)
         w.finish("reference")
     finally:
         shutil.rmtree(scratch, ignore_errors=True)
-    return losses
+    return {e["t"]: e["loss"] for e in events}
 
 
 def _killed_run(path: str, common: list[str], env: dict, out: _Progress, steps: int):
     """Stage 2: train into ``path`` until two checkpoints commit, then SIGKILL mid-window."""
     w = _Worker(["--dir", path, "--handshake", *common], env, handshake=True)
-    events, commits, killed = [], [], None
-    for e in w.events():
-        if e["ev"] == "step":
-            events.append(e)
-            out.step("overlap", e["t"], steps)
-        elif e["ev"] == "commit":
-            commits.append(e)
-        elif e["ev"] == "wait":
-            if len(commits) >= 2:
-                killed = e
-                w.kill()
-                break
-            w.reply("go")
-    out.end()
-    if killed is None:
+    killed = []
+
+    def at_window(e, commits) -> bool:
+        if e["ev"] != "wait":
+            return False
+        if len(commits) >= 2:
+            killed.append(e)
+            w.kill()
+            return True
+        w.reply("go")
+        return False
+    events, commits = _follow(w, out, "overlap", steps, at_window)
+    if not killed:
         w.finish("overlap")
         raise RuntimeError("the training worker ended before it could be killed mid-window")
     w.proc.wait()
     _Worker.current = None
-    return events, commits, killed
+    return events, commits, killed[0]
 
 
 def _resumed_run(path: str, common: list[str], env: dict, out: _Progress, steps: int):
     """Stage 3: resume from the latest committed step and train to the end."""
     w = _Worker(["--dir", path, "--resume", *common], env)
-    events, commits, resumed_from = [], [], None
-    for e in w.events():
-        if e["ev"] == "step":
-            events.append(e)
-            out.step("resumed", e["t"], steps)
-        elif e["ev"] == "commit":
-            commits.append(e)
-        elif e["ev"] == "resumed":
-            resumed_from = e["step"]
-        elif e["ev"] == "error":
+    resumed_from = []
+
+    def at_resume(e, commits) -> bool:
+        if e["ev"] == "error":
             raise RuntimeError(e["msg"])
-    out.end()
+        if e["ev"] == "resumed":
+            resumed_from.append(e["step"])
+        return False
+    events, commits = _follow(w, out, "resumed", steps, at_resume)
     w.finish("resume")
-    return events, commits, resumed_from
+    return events, commits, resumed_from[0] if resumed_from else None
 
 
 def cmd_demo(args) -> int:
