@@ -66,9 +66,11 @@ def toy_loss(params, x):
 
 
 def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None,
-             shard_state=False):
+             shard_state=False, before_step=None):
     """Train ``steps`` steps with a donating jitted step that captures in-graph.
 
+    ``before_step(t, engine, params, opt_state)``, if given, runs before step ``t`` and may
+    return a new ``(params, opt_state)`` (e.g. a tree change mid-window), or None.
     Returns (engine, sink, references) where references[V] is a synchronous
     ``jax.device_get`` of (params, opt_state) at version V.
     """
@@ -99,6 +101,10 @@ def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves
 
     references = {}
     for t in range(steps):
+        changed = before_step and before_step(t, engine, params, opt_state)
+        if changed:
+            params, opt_state = changed
+            engine.plan_for(params, opt_state, {"step": jnp.int32(0)})
         params, opt_state, outbox = train_step(engine.ticket(t), params, opt_state,
                                                jnp.float32(0.1 + 0.01 * t), jnp.int32(t))
         if outbox is not None:

@@ -1,5 +1,6 @@
 """core.engine: re-planning, window changes, and windows through the whole loop."""
 
+import jax
 import jax.numpy as jnp
 import optax
 
@@ -22,15 +23,37 @@ def test_window_larger_than_interval_is_clamped(caplog):
 
 
 def test_tree_change_mid_window_discards_the_window_and_replans():
+    """The tree grows by a leaf at phase 1 of the window of 4: that window is discarded at
+    once (never persisted half old, half new), the next ones are planned for the new tree
+    and equal the synchronous snapshots bitwise."""
     tx = optax.adam(1e-2)
-    engine = OverlapEngine(tx, MemorySink(), interval=4, window=3)
-    params = make_params([(8, 3)])
-    plan = engine.plan_for(params, tx.init(params))
-    bigger = make_params([(8, 3), (2,)])
-    new_plan = engine.plan_for(bigger, tx.init(bigger))
-    assert new_plan is not plan and len(new_plan.params) == 2
-    engine.wait_until_finished()
-    engine.close()
+    seen = {}
+
+    def grow_at_phase_1_of_window_4(t, engine, params, opt_state):
+        if t != 3:
+            return None
+        assert engine.phase(t) == 1 and engine.schedule.version(t, 1) == 4
+        seen["old_plan"] = engine.plan
+        engine.flush()
+        seen["aborted_before"] = engine.windows_aborted
+        bigger = {**params, "w999": jnp.ones((2,), jnp.float32)}
+        return bigger, jax.tree.map(jnp.copy, tx.init(bigger))
+
+    def check_abort_is_immediate(t, engine, params, opt_state):
+        changed = grow_at_phase_1_of_window_4(t, engine, params, opt_state)
+        if t == 4:  # still inside the window of 4: discarded now, not at the next window
+            engine.flush()
+            seen["aborted_at_change"] = engine.windows_aborted
+            seen["new_plan"] = engine.plan
+        return changed
+
+    engine, sink, refs = run_loop(tx, make_params([(8, 3)]), window=3, interval=4, steps=13,
+                                  before_step=check_abort_is_immediate)
+    assert (seen["aborted_before"], seen["aborted_at_change"]) == (0, 1)
+    assert seen["new_plan"] is not seen["old_plan"] and len(seen["new_plan"].params) == 2
+    assert sorted(sink.saved) == [8, 12] and engine.windows_completed == 2
+    del refs[4]  # the discarded window's version: never handed to the sink
+    check_windows(sink, refs)
 
 
 def test_set_window_replans_and_clamps():
