@@ -16,15 +16,15 @@ Layout of the package (the data path runs top to bottom):
 
 from .core.capture import capture_update
 from .core.engine import MemorySink, OverlapEngine
-from .errors import (ConfigError, OverlapCkptError, TreeMismatchError, UnsupportedOptimizerError,
-                     WindowAborted)
+from .errors import (ConfigError, InternalError, OverlapCkptError, TreeMismatchError,
+                     UnsupportedOptimizerError, WindowAborted)
 from .hostarray import HostArray, HostShard
 from .doors.linen import TrainState
 from .manager import CheckpointManager
 from .doors import nnx
 
 __all__ = [
-    "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "OverlapCkptError",
+    "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "InternalError", "OverlapCkptError",
     "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
     "TrainState", "CheckpointManager", "nnx",
 ]

@@ -1,6 +1,7 @@
 """Exceptions raised by overlap_ckpt, one class per kind of fault so callers can react."""
 
 import dataclasses
+import importlib.metadata
 
 
 class OverlapCkptError(Exception):
@@ -9,6 +10,36 @@ class OverlapCkptError(Exception):
 
 class UnsupportedOptimizerError(OverlapCkptError, ValueError):
     """The optax transformation cannot be replayed exactly on slices of the state."""
+
+
+class InternalError(OverlapCkptError, RuntimeError):
+    """overlap_ckpt itself failed: a bug of ours, or a dependency older than we need.
+
+    Kept apart from the refusals (:class:`UnsupportedOptimizerError`, ...) because those
+    tell the user to change their code; a missing JAX API reported as "your optimizer is
+    not supported" sends them to change an optimizer that is fine. Not a ``ValueError``,
+    so code that catches bad-input errors does not swallow it.
+    """
+
+
+def internal_error(doing: str, cause: BaseException) -> InternalError:
+    """The :class:`InternalError` for ``cause``, raised while ``doing`` something of ours,
+    naming the installed versions (the usual cause is a dependency below our floor)."""
+    return InternalError(
+        f"overlap_ckpt failed while {doing} ({type(cause).__name__}: {brief(cause)}). This is "
+        f"not a fault of your optimizer or model. Installed: {_versions()}. Install the "
+        "dependency versions overlap_ckpt's pyproject.toml requires; if they are installed, "
+        "this is a bug of overlap_ckpt: please report it with this traceback.")
+
+
+def _versions() -> str:
+    found = []
+    for name in ("jax", "jaxlib", "flax", "optax", "orbax-checkpoint", "tensorstore", "numpy"):
+        try:
+            found.append(f"{name} {importlib.metadata.version(name)}")
+        except importlib.metadata.PackageNotFoundError:
+            found.append(f"{name} (not installed)")
+    return ", ".join(found)
 
 
 class TreeMismatchError(OverlapCkptError, ValueError):

@@ -22,7 +22,7 @@ from typing import Any, Callable
 import jax
 import optax
 
-from ..errors import UnsupportedOptimizerError, brief
+from ..errors import UnsupportedOptimizerError, brief, internal_error
 from .interp import InterpretError, Tokens, interpret
 
 UpdateFn = Callable[[Any, Any, Any], tuple[Any, Any]]
@@ -111,17 +111,13 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
         return [o.value for o in outs]
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*params_leaves, *state_leaves, *params_leaves]]
+    _trace_optimizer(flat, abstract)
     try:
         jax.eval_shape(traced, *abstract)
     except (InterpretError, UnsupportedOptimizerError) as e:
         raise UnsupportedOptimizerError(str(e)) from e
-    except Exception as e:  # noqa: BLE001 - the optimizer itself fails on this tree
-        raise UnsupportedOptimizerError(
-            f"the optimizer's update fails on this train state ({type(e).__name__}: "
-            f"{brief(e)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
-            "the params tree as the train state holds it; optimizers that need another params "
-            "type (optax.lookahead's LookaheadParams) or extra update arguments are not "
-            "supported.") from e
+    except Exception as e:  # noqa: BLE001 - the update traced on its own: the fault is ours
+        raise internal_error("analysing the optimizer's program", e) from e
     outs, signature, co_reads = labels[0]
     new_params, new_state = outs[:n], outs[n:]
 
@@ -170,6 +166,22 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
         why = ("the update reduces within a leaf (e.g. factored or matrix statistics) for "
                + ", ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
     return UpdateAnalysis(n, tuple(owner), not reasons, len(signature), why, signature)
+
+
+def _trace_optimizer(flat: Callable, abstract: list) -> None:
+    """Trace the user's update alone, without our interpreter, so that only its own
+    failures are reported as an unsupported optimizer (see :func:`internal_error`)."""
+    try:
+        jax.eval_shape(flat, *abstract)
+    except UnsupportedOptimizerError:
+        raise
+    except Exception as e:  # noqa: BLE001 - the optimizer itself fails on this tree
+        raise UnsupportedOptimizerError(
+            f"the optimizer's update fails on this train state ({type(e).__name__}: "
+            f"{brief(e)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
+            "the params tree as the train state holds it; optimizers that need another params "
+            "type (optax.lookahead's LookaheadParams) or extra update arguments are not "
+            "supported.") from e
 
 
 def _read_with(j: int, co_reads, state_leaves, params_leaves, state_paths, param_paths) -> int | None:

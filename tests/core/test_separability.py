@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import optax
 import pytest
 
-from overlap_ckpt import MemorySink, OverlapEngine, UnsupportedOptimizerError
+from overlap_ckpt import InternalError, MemorySink, OverlapEngine, UnsupportedOptimizerError
 from overlap_ckpt.core.separability import analyze_update, optax_update_fn
 
 from conftest import make_params
@@ -79,3 +79,32 @@ def test_optimizer_failing_on_the_tree_is_refused_by_name():
     message = str(info.value)
     assert "lookahead" in message.lower() and len(message) < 2000, message
     engine.close()
+
+
+def test_missing_jax_api_is_our_fault_not_the_optimizers(monkeypatch):
+    """An API missing from an old jax (jax.extend.core.jaxprs_in_params appeared in 0.10.0)
+    must not be reported as an unsupported optimizer: plain adamw is fine."""
+    import jax.extend.core as jcore
+
+    monkeypatch.delattr(jcore, "jaxprs_in_params")
+    tx = optax.adamw(1e-3)
+    engine = OverlapEngine(tx, MemorySink(), interval=4, window=2)
+    params = make_params([(4, 3), (3,)])
+    with pytest.raises(InternalError) as info:
+        engine.plan_for(params, tx.init(params))
+    engine.close()
+    assert not isinstance(info.value, UnsupportedOptimizerError)
+    message = str(info.value)
+    assert "jaxprs_in_params" in message and "not a fault of your optimizer" in message, message
+    assert "jax " in message and "pyproject.toml" in message, message
+
+
+def test_optimizer_raising_on_its_own_is_still_refused():
+    def broken():
+        def update(updates, state, params=None):
+            raise TypeError("this optimizer needs a learning-rate argument")
+        return optax.GradientTransformation(lambda p: optax.EmptyState(), update)
+
+    params = make_params([(4, 3)])
+    with pytest.raises(UnsupportedOptimizerError, match="learning-rate argument"):
+        analyze(broken(), params)
