@@ -197,7 +197,7 @@ def worker(spec: dict) -> dict:
                 eng.replay_seconds, eng.replayed_bytes, eng.windows_completed = 0.0, 0, 0
                 eng.spans = []
                 hist0 = len(mngr.store.history)
-        phase = getattr(state.ckpt_window, "phase", None) if mngr is not None else None
+        phase = mngr.next_window_phase if mngr is not None else None
         batch = batches[t % len(batches)]
         start = time.perf_counter()
         state, loss = train_step(state, batch)

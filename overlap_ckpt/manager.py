@@ -30,6 +30,8 @@ from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
+from .core.window_context import current_ticket, hand_to_next_step, window_ticket
+from .doors.abstract import abstract_arguments
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
 from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
@@ -139,7 +141,10 @@ class CheckpointManager:
         self._next_step = step
         if self._auto is not None:
             self._auto.restart()
-        return self._attach(door.attach(state, None), step)
+        self._sent = None
+        if current_ticket() is not None:  # left by a manager that was not closed
+            hand_to_next_step(None)
+        return self._attach(state, step)
 
     def step(self, state: Any) -> Any:
         """Take the outbox of the step that produced ``state`` and ready the next step.
@@ -165,15 +170,10 @@ class CheckpointManager:
         if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
-        door, sent, t = self._door, self._sent, self._next_step
-        outbox, state = door.take_outbox(state)
+        sent, t = self._sent, self._next_step
         if sent is not None:
+            outbox, state = self._door.take_outbox(state)
             self._receive(t, sent, outbox)
-        elif outbox is not None:
-            raise RuntimeError(
-                f"the state given to CheckpointManager.step for step {t} carries a checkpoint window "
-                "it was not given by this manager; train on the state step() returns, and call "
-                "step() exactly once per training step.")
         self._next_step = t + 1
         if self._auto is not None and sent is None:
             self._observe(state, t + 1)
@@ -195,22 +195,17 @@ class CheckpointManager:
         if self._door is None:
             raise RuntimeError("compile_ahead: call prepare() first")
         if not hasattr(step_fn, "lower"):
-            raise TypeError(f"compile_ahead needs a jax.jit-ed step function (with .lower), got "
-                            f"{type(step_fn).__name__}")
+            raise TypeError(f"compile_ahead needs a jax.jit-ed or nnx.jit-ed step function (with "
+                            f".lower), got {type(step_fn).__name__}")
         if not any(self._door.is_state(a) for a in args):
             raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
                             "prepared; pass the arguments of one call of the step, the state among them")
-        # Shapes, dtypes and shardings only (no reference to buffers the next step donates),
-        # with uncommitted arrays left unplaced: jit keys its cache on that difference.
-        abstract = lambda x: jax.ShapeDtypeStruct(  # noqa: E731
-            x.shape, x.dtype, sharding=x.sharding if x.committed else None, weak_type=x.weak_type) \
-            if isinstance(x, jax.Array) else x
-        self._ahead = (step_fn, jax.tree.map(abstract, args), jax.tree.map(abstract, kwargs))
+        self._ahead = (step_fn, *abstract_arguments(args, kwargs))
         return self._compile_ahead()
 
     def _compile_ahead(self) -> threading.Thread:
         step_fn, args, kwargs = self._ahead
-        door, plan = self._door, self.engine.plan
+        plan = self.engine.plan
         tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
 
         first_step = self._stepped
@@ -220,9 +215,9 @@ class CheckpointManager:
             for ticket in tickets:
                 if self._closed:
                     return
-                call = [door.copy_with(a, ticket) if door.is_state(a) else a for a in args]
                 try:
-                    step_fn.lower(*call, **kwargs).compile()
+                    with window_ticket(ticket):
+                        step_fn.lower(*args, **kwargs).compile()
                 except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
                     self._ahead_error = e
                     return
@@ -231,6 +226,11 @@ class CheckpointManager:
         thread.start()
         self._compiling.append(thread)
         return thread
+
+    @property
+    def next_window_phase(self) -> int | None:
+        """The window phase the next step captures (None: the next step is a plain step)."""
+        return None if self._sent is None else self._sent.phase
 
     def should_save(self, step: int) -> bool:
         interval = self.save_interval_steps
@@ -321,6 +321,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            hand_to_next_step(None)  # steps after the manager is gone are plain steps
             self._stepped.set()  # a compile_ahead still waiting: let it finish or see it is moot
             for thread in self._compiling:  # a process must not exit in the middle of a compile
                 thread.join()
@@ -386,7 +387,9 @@ class CheckpointManager:
         engine = self.engine
         phase = engine.phase(step)
         if phase is None:
-            self._sent = None
+            if self._sent is not None:
+                hand_to_next_step(None)
+                self._sent = None
             return state
         if phase == 0:
             parts = self._door.parts(state)
@@ -399,7 +402,8 @@ class CheckpointManager:
         if ticket.last and ticket.capture and not self._door.extras_in_step \
                 and engine.windows.captures(step, ticket.phase):
             self._extras = capture_before_step(ticket, self._door.parts(state).extras)
-        return self._door.attach(state, ticket)
+        hand_to_next_step(ticket)
+        return state
 
     def _check_host_memory(self, step: int) -> None:
         """Room for one more host copy of the state? Otherwise skip the window of ``step``'s
@@ -421,11 +425,12 @@ class CheckpointManager:
         self.engine.windows.skip(version)
 
     def _receive(self, t: int, sent: WindowTicket, outbox: Any) -> None:
-        if isinstance(outbox, WindowTicket) or outbox is None:
+        if outbox is None:
             raise RuntimeError(
                 f"step {t} is in phase {sent.phase} of a checkpoint window but the state carries no "
-                "outbox: call CheckpointManager.step exactly once per training step, with the state "
-                "returned by a step that called apply_gradients (NNX: optimizer.update).")
+                "outbox: call CheckpointManager.step exactly once per training step, on the thread "
+                "that runs the step, with the state returned by a step that called apply_gradients "
+                "(NNX: optimizer.update) with the optimizer this manager prepared.")
         if not isinstance(outbox, Outbox) or outbox.ticket != sent:
             raise RuntimeError(f"the outbox of step {t} is not the one this manager asked for "
                                f"(phase {getattr(getattr(outbox, 'ticket', None), 'phase', '?')}, "

@@ -2,23 +2,21 @@
 
 A *state* is whatever the user's loop passes from step to step (a Linen ``TrainState``,
 an NNX ``Optimizer``, an ``nnx.State``...). A door turns it into the three trees the engine
-plans and saves, tells the jitted step whether it is in a window, and takes the outbox back:
+plans and saves and takes a window step's outbox back. (Whether a step is in a window
+does not go through the door: the manager sets the window context,
+:mod:`overlap_ckpt.core.window_context`, which the door's update reads at trace time.)
 
 * ``parts(state)``: :class:`Parts` (params, opt_state, extras and the optax transformation);
 * ``step_number(state)`` / ``prepared(state)``: the state's step (read once, at prepare),
   and the state as the first step should get it (arrays committed, see :func:`committed`);
-* ``attach(state, ticket)``: the state for the next step, carrying ``ticket``
-  (:class:`~overlap_ckpt.core.capture.WindowTicket`); the state must flatten its ticket/
-  outbox slot *last*, so that ``jit(donate_argnums=...)`` pairs every donated leaf with its
-  own updated leaf before any host-memory output of the same shape;
 * ``extras_in_step``: whether the update in the step still sees the extras of its input
   version (Linen); if not (NNX, whose forward pass updates batch statistics and RNG counts),
   the manager copies them just before the last step of a window;
-* ``take_outbox(state)``: the outbox the last step produced (None outside windows) and the
-  state without it; outside a window this must cost nothing and return ``state`` itself;
-* ``is_state(x)`` / ``copy_with(state, ticket)``: recognise the state among a step's
-  arguments and make a copy carrying a ticket, without touching ``state`` (compiling the
-  window variants ahead of time);
+* ``take_outbox(state)``: the outbox a window step produced (None: the step did not
+  capture) and the state without it, as the Flax class would hold it. The outbox must
+  flatten *last* in the step's outputs, so that ``jit(donate_argnums=...)`` pairs every
+  donated leaf with its own updated leaf before any host-memory output of the same shape;
+* ``is_state(x)``: recognise the state among a step's arguments (``compile_ahead``);
 * ``snapshot(state)``: host copies of the parts, owning their memory (a synchronous save);
 * ``restore_target(state)`` / ``restored(state, parts)``: the shapes, dtypes and shardings
   a restore reads into, and ``state`` with the restored arrays put back;
@@ -37,7 +35,7 @@ from typing import Any, Callable, Protocol
 import jax
 import optax
 
-from ..core.capture import Outbox, WindowTicket
+from ..core.capture import Outbox
 from ..hostarray import HostArray, is_prng_key
 
 
@@ -68,13 +66,9 @@ class Door(Protocol):
 
     def prepared(self, state: Any) -> Any: ...
 
-    def attach(self, state: Any, ticket: WindowTicket | None) -> Any: ...
-
     def take_outbox(self, state: Any) -> tuple[Outbox | None, Any]: ...
 
     def is_state(self, x: Any) -> bool: ...
-
-    def copy_with(self, state: Any, ticket: WindowTicket) -> Any: ...
 
     def snapshot(self, state: Any) -> Parts: ...
 

@@ -16,13 +16,14 @@ Usage (the user's step is unchanged apart from the class of the state)::
             state = train_step(state, batch)
             state = mngr.step(state)         # one call per step, never blocks
 
-The state has one field of its own, ``ckpt_window``: ``None`` outside checkpoint windows
-(the step is then Flax's ``apply_gradients``, nothing added), a
-:class:`~overlap_ckpt.core.capture.WindowTicket` going into a window step, and that step's
-:class:`~overlap_ckpt.core.capture.Outbox` coming out. The ticket is static tree structure,
-so ``jit`` compiles one variant of the step per window phase, and a sharding tree built from
-a fresh state (``ckpt_window=None``) is a valid ``in_shardings``/``out_shardings`` prefix
-of every variant.
+The step learns that it is in a window from the manager's window context
+(:mod:`overlap_ckpt.core.window_context`, part of jit's cache key), not from the state: the
+state the loop holds is the one Flax's class would hold. The only trace of overlap_ckpt is
+the field ``ckpt_outbox``, ``None`` except between a window step and the ``mngr.step`` that
+takes its :class:`~overlap_ckpt.core.capture.Outbox` (host copies have to leave the jitted
+step as outputs). It has no leaves when ``None``, Flax's ``to_state_dict`` /
+``from_state_dict`` skip it, and a sharding tree built from any state the loop holds
+(``ckpt_outbox=None``) is a valid ``in_shardings``/``out_shardings`` prefix of every variant.
 
 Under ``jax.pmap`` (a replicated state, every leaf with a leading device axis) the door
 plans on one replica and saves it unreplicated, as ``flax.jax_utils.unreplicate`` would.
@@ -38,13 +39,15 @@ import numpy as np
 from flax.training import train_state
 
 from ..core import backend
-from ..core.capture import Outbox, WindowTicket, capture_update
+from ..core.capture import Outbox, capture_update
+from ..core.window_context import current_ticket
 from ..hostarray import HostArray
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
+_OUTBOX = "ckpt_outbox"
 # Fields that are not "extras" of the checkpoint (captured as params/opt_state, static,
-# or the checkpointer's own slot).
-_NOT_EXTRAS = frozenset({"params", "opt_state", "apply_fn", "tx", "ckpt_window"})
+# or the checkpointer's own outbox).
+_NOT_EXTRAS = frozenset({"params", "opt_state", "apply_fn", "tx", _OUTBOX})
 
 
 def extra_field_names(state: Any) -> tuple[str, ...]:
@@ -67,12 +70,12 @@ def state_extras(state: Any) -> dict[str, Any]:
 class TrainState(train_state.TrainState, kw_only=True):
     """``flax.training.train_state.TrainState`` plus overlapped-checkpoint capture.
 
-    ``ckpt_window`` (keyword-only, so subclasses may add positional fields) is the
-    checkpointer's slot, see the module docstring. A state never given to a manager
-    behaves exactly like Flax's.
+    ``ckpt_outbox`` (keyword-only, so subclasses may add positional fields) carries a
+    window step's host copies to ``mngr.step``, see the module docstring. A state never
+    given to a manager behaves exactly like Flax's.
     """
 
-    ckpt_window: Any = None
+    ckpt_outbox: Any = None
 
     def __init_subclass__(cls, **kwargs):
         # Like flax.struct.PyTreeNode, but the slot flattens after every other field
@@ -82,35 +85,37 @@ class TrainState(train_state.TrainState, kw_only=True):
     def apply_gradients(self, *, grads, **kwargs):
         """Like Flax's: ``step + 1``, params/opt_state updated by ``tx``, ``**kwargs`` replaced.
 
-        In a window step the update goes through :func:`capture_update` and the outbox comes
-        back in ``ckpt_window``. The extras saved with the checkpoint are this (input)
-        state's ``step`` and user fields, i.e. the ones of the version being checkpointed,
-        not the ``**kwargs`` replacing them.
+        In a window step (a ticket in the window context, planned for this state's ``tx``)
+        the update goes through :func:`capture_update` and the outbox comes back in
+        ``ckpt_outbox``. The extras saved with the checkpoint are this (input) state's
+        ``step`` and user fields, i.e. the ones of the version being checkpointed, not the
+        ``**kwargs`` replacing them. Another ``TrainState`` updated in the same step (a
+        second model with its own optimizer) is left alone.
         """
-        ticket = self.ckpt_window
-        if ticket is None:
-            return super().apply_gradients(grads=grads, **kwargs)
-        if isinstance(ticket, Outbox):
+        if self.ckpt_outbox is not None:
             refuse_stale_outbox("the TrainState given to apply_gradients")
+        ticket = current_ticket()
+        if ticket is None or ticket.plan.tx is not self.tx:
+            return super().apply_gradients(grads=grads, **kwargs)
         new_params, new_opt_state, outbox = capture_update(
             self.tx, ticket, self.params, self.opt_state, grads, state_extras(self), step=self.step)
         return self.replace(step=self.step + 1, params=new_params, opt_state=new_opt_state,
-                            ckpt_window=outbox, **kwargs)
+                            ckpt_outbox=outbox, **kwargs)
 
 
 def _register_slot_last(cls, **kwargs):
-    """``flax.struct.dataclass`` for subclasses of :class:`TrainState`, with ``ckpt_window``
-    flattened *last*.
+    """``flax.struct.dataclass`` for subclasses of :class:`TrainState`, with ``ckpt_outbox``
+    flattened *last* and left out of Flax's state dicts.
 
     Why: ``jax.jit(donate_argnums=...)`` without ``out_shardings`` pairs each donated input
     with the first output of the same shape and dtype, ignoring memory kinds. The outbox
     holds pinned-host copies of state leaves; if it flattened before a user field of the same
     shape (a scalar ``loss_sum``...), the donated device buffer would be aliased to a
     pinned-host output and XLA aborts ("PjRtBuffer's memory kind does not match"). With the
-    slot last, every donated leaf pairs with its own updated state leaf first.
+    slot last, every donated leaf pairs with its own updated state leaf first. The state
+    dicts (``flax.serialization``) hold exactly the fields of Flax's ``TrainState`` and a
+    subclass's own: code that moves state dicts between the two classes sees no difference.
     """
-    from flax import serialization
-
     if "_flax_dataclass" in cls.__dict__:
         return cls
     kwargs.setdefault("frozen", True)
@@ -118,9 +123,9 @@ def _register_slot_last(cls, **kwargs):
     data_fields, meta_fields = [], []
     for f in dataclasses.fields(data_clz):
         (data_fields if f.metadata.get("pytree_node", True) else meta_fields).append(f.name)
-    if "ckpt_window" in data_fields:
-        data_fields.remove("ckpt_window")
-        data_fields.append("ckpt_window")
+    data_fields.remove(_OUTBOX)
+    data_fields.append(_OUTBOX)
+    saved_fields = data_fields[:-1]
 
     def replace(self, **updates):
         return dataclasses.replace(self, **updates)
@@ -128,13 +133,22 @@ def _register_slot_last(cls, **kwargs):
     data_clz.replace = replace
     jax.tree_util.register_dataclass(data_clz, data_fields, meta_fields)
 
+    _register_state_dict(data_clz, saved_fields)
+    data_clz._flax_dataclass = True
+    return data_clz
+
+
+def _register_state_dict(cls, saved_fields: list[str]) -> None:
+    """Flax state dicts of ``cls`` with the ``saved_fields`` only (not ``ckpt_outbox``)."""
+    from flax import serialization
+
     def to_state_dict(x):
-        return {name: serialization.to_state_dict(getattr(x, name)) for name in data_fields}
+        return {name: serialization.to_state_dict(getattr(x, name)) for name in saved_fields}
 
     def from_state_dict(x, state):
         state = dict(state)
         updates = {}
-        for name in data_fields:
+        for name in saved_fields:
             if name not in state:
                 raise ValueError(f"Missing field {name} in state dict while restoring an instance "
                                  f"of {cls.__name__}")
@@ -144,9 +158,11 @@ def _register_slot_last(cls, **kwargs):
                              f"instance of {cls.__name__}")
         return x.replace(**updates)
 
-    serialization.register_serialization_state(data_clz, to_state_dict, from_state_dict)
-    data_clz._flax_dataclass = True
-    return data_clz
+    serialization.register_serialization_state(cls, to_state_dict, from_state_dict, override=True)
+
+
+_register_state_dict(TrainState, [f.name for f in dataclasses.fields(TrainState)
+                                   if f.name != _OUTBOX and f.metadata.get("pytree_node", True)])
 
 
 def is_plain_flax_train_state(state: Any) -> bool:
@@ -185,22 +201,14 @@ class LinenDoor:
         leaves = jax.tree.leaves(state.params)
         return committed(state, like=leaves[0] if leaves else None)
 
-    def attach(self, state: TrainState, ticket: WindowTicket | None) -> TrainState:
-        return state.replace(ckpt_window=ticket)
-
     def is_state(self, x: Any) -> bool:
         return isinstance(x, TrainState)
 
-    def copy_with(self, state: TrainState, ticket: WindowTicket) -> TrainState:
-        return state.replace(ckpt_window=ticket)
-
     def take_outbox(self, state: TrainState) -> tuple[Outbox | None, TrainState]:
-        slot = state.ckpt_window
-        if slot is None:
+        outbox = state.ckpt_outbox
+        if outbox is None:
             return None, state
-        if isinstance(slot, WindowTicket):  # the step did not call apply_gradients
-            return slot, state
-        return slot, state.replace(ckpt_window=None)
+        return outbox, state.replace(ckpt_outbox=None)
 
     def snapshot(self, state: TrainState) -> Parts:
         return host_copy(self.parts(state))
@@ -217,7 +225,7 @@ class LinenDoor:
 
     def restored(self, state: TrainState, parts: Parts) -> TrainState:
         extras = keys_like(parts.extras, raw_extras(state))
-        return state.replace(params=parts.params, opt_state=parts.opt_state, ckpt_window=None, **extras)
+        return state.replace(params=parts.params, opt_state=parts.opt_state, ckpt_outbox=None, **extras)
 
 
 class PmapDoor(LinenDoor):

@@ -25,11 +25,14 @@ In the functional style (``graphdef, state = nnx.split((model, optimizer))`` and
         state, loss = train_step(graphdef, state, batch)
         state = mngr.step(state)
 
-The optimizer's slot is a variable of its own (:class:`WindowSlot`): ``None`` outside
-windows (``update`` is then ``nnx.Optimizer.update``, nothing added), a
-:class:`~overlap_ckpt.core.capture.WindowTicket` going into a window step, the step's
-outbox coming out. Being a variable, it travels in the ``nnx.State`` (not in the graph
-definition), which is what lets the functional style work with a graphdef split once.
+The optimizer holds nothing of overlap_ckpt: ``nnx.state(optimizer)``, ``nnx.split``,
+``nnx.to_flat_state`` and everything that walks them see what ``nnx.Optimizer`` shows.
+``update`` learns that it is in a window from the manager's window context
+(:mod:`overlap_ckpt.core.window_context`, part of jit's cache key, so ``nnx.jit`` and a
+plain ``jax.jit`` over a graphdef split once both compile one variant per window phase).
+The host copies of a window step have to leave the jitted step as outputs: ``update``
+puts them in a variable of their own (:class:`WindowOutbox`) that exists only from that
+step until the ``mngr.step`` that takes it.
 
 What is saved (plain nested dicts, readable by stock Orbax)::
 
@@ -46,14 +49,15 @@ import optax
 from flax import nnx
 
 from ..core import backend
-from ..core.capture import Outbox, WindowTicket, capture_update
+from ..core.capture import Outbox, capture_update
+from ..core.window_context import current_ticket
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
-_SLOT = "zz_ckpt_window"
+_OUTBOX = "zz_ckpt_outbox"
 
 
-class WindowSlot(nnx.Variable):
-    """The optimizer's checkpoint slot (see the module docstring).
+class WindowOutbox(nnx.Variable):
+    """The host copies of a window step, on the optimizer from that step to ``mngr.step``.
 
     Its attribute name sorts after every other attribute: NNX flattens attributes in
     sorted order, and ``jit(donate_argnums=...)`` without out_shardings pairs donated inputs
@@ -115,27 +119,16 @@ def from_plain(plain: Any, like: Any) -> Any:
 class Optimizer(nnx.Optimizer):
     """``nnx.Optimizer`` plus overlapped-checkpoint capture in :meth:`update`.
 
-    Outside checkpoint windows (and when never given to a manager) it is ``nnx.Optimizer``.
+    Outside checkpoint windows (and when never given to a manager) it is ``nnx.Optimizer``;
+    its state is ``nnx.Optimizer``'s at every step.
     """
 
-    def __init__(self, model: nnx.Module, tx: optax.GradientTransformation, *, wrt, graph: bool | None = None):
-        super().__init__(model, tx, wrt=wrt, graph=graph)
-        setattr(self, _SLOT, WindowSlot(None))
-
-    @property
-    def ckpt_window(self) -> Any:
-        return getattr(self, _SLOT).get_value()
-
-    @ckpt_window.setter
-    def ckpt_window(self, value: Any) -> None:
-        getattr(self, _SLOT).set_value(value)
-
     def update(self, model: nnx.Module, grads, /, **kwargs):
-        ticket = self.ckpt_window
-        if ticket is None:
-            return super().update(model, grads, **kwargs)
-        if isinstance(ticket, Outbox):
+        if _OUTBOX in vars(self):
             refuse_stale_outbox("the optimizer given to update")
+        ticket = current_ticket()
+        if ticket is None or ticket.plan.tx is not self.tx:
+            return super().update(model, grads, **kwargs)
         if kwargs:
             raise NotImplementedError(
                 "overlap_ckpt.nnx.Optimizer.update does not pass extra arguments to the optax "
@@ -148,7 +141,7 @@ class Optimizer(nnx.Optimizer):
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1
-        self.ckpt_window = outbox
+        setattr(self, _OUTBOX, WindowOutbox(outbox))
         return None
 
 
@@ -164,7 +157,16 @@ def restore_objects(optimizer: Optimizer, model: nnx.Module, parts: Parts) -> No
         nnx.update(model, keys_like(parts.extras["model_state"], model_rest(optimizer, model)))
     nnx.update(optimizer.opt_state, nnx.state(parts.opt_state, graph=optimizer.graph))
     optimizer.step[...] = parts.extras["step"]
-    optimizer.ckpt_window = None
+    take_outbox_of(optimizer)
+
+
+def take_outbox_of(optimizer: Optimizer) -> Outbox | None:
+    """Remove the outbox of the last window step from ``optimizer`` and return it."""
+    if _OUTBOX not in vars(optimizer):
+        return None
+    outbox = getattr(optimizer, _OUTBOX).get_value()
+    delattr(optimizer, _OUTBOX)
+    return outbox
 
 
 class _PlainTrees:
@@ -207,21 +209,11 @@ class NnxDoor(_PlainTrees):
             nnx.update(obj, committed(nnx.state(obj), like))
         return optimizer
 
-    def attach(self, optimizer: Optimizer, ticket: WindowTicket | None) -> Optimizer:
-        optimizer.ckpt_window = ticket
-        return optimizer
-
     def is_state(self, x: Any) -> bool:
-        return False  # nnx.jit steps take objects: compile ahead in the functional style
-
-    def copy_with(self, state: Any, ticket: WindowTicket) -> Any:
-        raise NotImplementedError
+        return isinstance(x, Optimizer)
 
     def take_outbox(self, optimizer: Optimizer) -> tuple[Outbox | None, Optimizer]:
-        slot = optimizer.ckpt_window
-        if slot is not None and not isinstance(slot, WindowTicket):
-            optimizer.ckpt_window = None
-        return slot, optimizer
+        return take_outbox_of(optimizer), optimizer
 
     def snapshot(self, optimizer: Optimizer) -> Parts:
         return host_copy(self.parts(optimizer))
@@ -236,14 +228,16 @@ class NnxDoor(_PlainTrees):
 
 class NnxStateDoor(_PlainTrees):
     """The functional NNX style: the loop carries the ``nnx.State`` of ``(model, optimizer,
-    ...)`` and a graphdef split once. The slot is found in the state by its variable type."""
+    ...)`` and a graphdef split once. A window step's state holds the optimizer's outbox
+    variable, under the optimizer's key."""
 
     name = "nnx-functional"
     outbox_memory: str | None = backend.HOST_MEMORY
 
     def __init__(self, graphdef: Any, state: nnx.State):
         self.graphdef = graphdef
-        self.path = _slot_path(state)
+        self.optimizer_key = _optimizer_key(nnx.merge(graphdef, state))
+        self.structure = jax.tree.structure(state)
 
     def objects(self, state: nnx.State) -> tuple[Optimizer, nnx.Module]:
         """The optimizer and its model, merged from ``state`` (no copies of arrays)."""
@@ -259,29 +253,16 @@ class NnxStateDoor(_PlainTrees):
         optimizer, model = self.objects(state)
         return committed(state, next(iter(jax.tree.leaves(model_params(optimizer, model))), None))
 
-    def _slot(self, state: nnx.State) -> WindowSlot:
-        node = state
-        for key in self.path:
-            node = node[key]
-        return node
-
-    def attach(self, state: nnx.State, ticket: WindowTicket | None) -> nnx.State:
-        self._slot(state).set_value(ticket)
-        return state
-
     def is_state(self, x: Any) -> bool:
-        return isinstance(x, nnx.State) and any(isinstance(v, WindowSlot) for _, v in nnx.to_flat_state(x))
-
-    def copy_with(self, state: nnx.State, ticket: WindowTicket) -> nnx.State:
-        copy = jax.tree.map(lambda x: x, state)  # new variables: the caller's state is untouched
-        return self.attach(copy, ticket)
+        return isinstance(x, nnx.State) and jax.tree.structure(x) == self.structure
 
     def take_outbox(self, state: nnx.State) -> tuple[Outbox | None, nnx.State]:
-        slot = self._slot(state)
-        value = slot.get_value()
-        if value is not None and not isinstance(value, WindowTicket):
-            slot.set_value(None)
-        return value, state
+        node = state if self.optimizer_key is None else state[self.optimizer_key]
+        if _OUTBOX not in node:
+            return None, state
+        outbox = node[_OUTBOX].get_value()
+        del node[_OUTBOX]
+        return outbox, state
 
     def snapshot(self, state: nnx.State) -> Parts:
         return host_copy(self.parts(state))
@@ -295,19 +276,23 @@ class NnxStateDoor(_PlainTrees):
         return nnx.state(objects)
 
 
-def _slot_path(state: nnx.State) -> tuple:
-    paths = [path for path, value in nnx.to_flat_state(state) if isinstance(value, WindowSlot)]
-    if len(paths) != 1:
-        raise TypeError(
-            f"the nnx.State given to the CheckpointManager holds {len(paths)} overlap_ckpt.nnx.Optimizer "
-            "slots; split exactly one overlap_ckpt.nnx.Optimizer with its model, e.g. "
-            "`graphdef, state = nnx.split((model, optimizer))`.")
-    return tuple(paths[0])
+def _items(objects: Any) -> list[tuple[Any, Any]]:
+    """``(key in the state, object)`` of what was split together (key None: one object)."""
+    if isinstance(objects, (tuple, list)):
+        return list(enumerate(objects))
+    if isinstance(objects, dict):
+        return list(objects.items())
+    return [(None, objects)]
+
+
+def _optimizer_key(objects: Any) -> Any:
+    """Where the optimizer's state is in the state of ``objects`` (see :func:`_items`)."""
+    _optimizer_and_model(objects)  # exactly one of each, or a clear error
+    return next(key for key, o in _items(objects) if isinstance(o, Optimizer))
 
 
 def _optimizer_and_model(objects: Any) -> tuple[Optimizer, nnx.Module]:
-    items = list(objects) if isinstance(objects, (tuple, list)) else (
-        list(objects.values()) if isinstance(objects, dict) else [objects])
+    items = [o for _, o in _items(objects)]
     optimizers = [o for o in items if isinstance(o, Optimizer)]
     models = [o for o in items if isinstance(o, nnx.Module) and not isinstance(o, (nnx.Optimizer, nnx.Metric))]
     if len(optimizers) != 1 or len(models) != 1:

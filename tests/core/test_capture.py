@@ -14,6 +14,7 @@ from flax.training import train_state
 import overlap_ckpt as oc
 from overlap_ckpt.core.capture import WindowTicket
 from overlap_ckpt.core.plan import make_plan
+from overlap_ckpt.core.window_context import window_ticket
 from overlap_ckpt.doors.base import committed
 
 from conftest import assert_bitwise
@@ -39,7 +40,7 @@ def test_plain_step_lowers_to_the_same_program_as_flax():
     assert jitted.lower(make(), X).as_text() == flax_program
     with oc.CheckpointManager(save_interval_steps=100, store=_memory_store()) as mngr:
         prepared = mngr.prepare(make())
-        assert prepared.ckpt_window is None
+        assert prepared.ckpt_outbox is None
         # prepare makes `step` an int32 array and commits the arrays to their device (see
         # LinenDoor.prepared): compare with the Flax state after its first step.
         user_state = committed(make(train_state.TrainState).replace(step=jnp.int32(0)))
@@ -50,12 +51,14 @@ def test_window_step_copies_its_slice_to_pinned_host_and_compiles_once_per_phase
     state = make()
     plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
     jitted = jax.jit(step)
-    out = jitted(state.replace(ckpt_window=WindowTicket(plan, 0)), X)
-    outbox = out.ckpt_window
-    assert outbox.ticket.phase == 0 and outbox.state and outbox.grads and outbox.globals
-    assert {x.sharding.memory_kind for x in jax.tree.leaves((outbox.state, outbox.grads))} == {"pinned_host"}
-    jitted(state.replace(ckpt_window=WindowTicket(plan, 0)), X)
-    jitted(state.replace(ckpt_window=WindowTicket(plan, 1)), X)
+    with window_ticket(WindowTicket(plan, 0)):
+        out = jitted(state, X)
+        outbox = out.ckpt_outbox
+        assert outbox.ticket.phase == 0 and outbox.state and outbox.grads and outbox.globals
+        assert {x.sharding.memory_kind for x in jax.tree.leaves((outbox.state, outbox.grads))} == {"pinned_host"}
+        jitted(state, X)
+    with window_ticket(WindowTicket(plan, 1)):
+        jitted(state, X)
     jitted(state, X)
     assert jitted._cache_size() == 3
 
@@ -66,9 +69,11 @@ def test_a_window_step_without_copies_computes_the_same_update():
     state = make()
     plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
     for phase in range(2):
-        captured = jax.jit(step)(state.replace(ckpt_window=WindowTicket(plan, phase)), X)
-        bare = jax.jit(step)(state.replace(ckpt_window=WindowTicket(plan, phase, capture=False)), X)
-        assert not bare.ckpt_window.state and not bare.ckpt_window.extras
+        with window_ticket(WindowTicket(plan, phase)):
+            captured = jax.jit(step)(state, X)
+        with window_ticket(WindowTicket(plan, phase, capture=False)):
+            bare = jax.jit(step)(state, X)
+        assert not bare.ckpt_outbox.state and not bare.ckpt_outbox.extras
         assert_bitwise((bare.params, bare.opt_state), (captured.params, captured.opt_state), f"phase {phase}")
 
 
@@ -95,5 +100,6 @@ def test_isolation_survives_compilation_for_any_step_dtype(dtype):
     conditional (and the isolation with it); the predicate must stay a runtime value."""
     state = make().replace(step=jnp.asarray(3, dtype))
     plan = make_plan(TX, state.params, state.opt_state, {"step": state.step}, 2)
-    compiled = jax.jit(step).lower(state.replace(ckpt_window=WindowTicket(plan, 0)), X).compile().as_text()
+    with window_ticket(WindowTicket(plan, 0)):
+        compiled = jax.jit(step).lower(state, X).compile().as_text()
     assert "conditional" in compiled

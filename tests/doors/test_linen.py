@@ -148,4 +148,4 @@ def test_explicit_final_save_and_unprepared_state_behaves_like_flax(tmp_path):
     # Without a manager the state is a plain Flax TrainState (no plan, no outbox).
     plain = make_state()
     out, _ = train_step(plain, DATA.batch(0))
-    assert out.ckpt_window is None and int(out.step) == 1
+    assert out.ckpt_outbox is None and int(out.step) == 1

@@ -61,7 +61,7 @@ def test_schedule_auto_window_retention_and_queries(tmp_path):
         state = run(mngr, state, 0, 7)
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 6] and mngr.latest_step() == 6
-        assert int(state.step) == 7 and state.ckpt_window is None
+        assert int(state.step) == 7 and state.ckpt_outbox is None
     with CheckpointManager(tmp_path, save_interval_steps=2, max_to_keep=2, window=1) as mngr:
         restored = mngr.restore(target_state=make_state())
         assert int(restored.step) == 6
@@ -96,9 +96,9 @@ def test_sync_save_of_open_window_wins(tmp_path):
 def test_misuse_errors(tmp_path):
     with CheckpointManager(tmp_path, save_interval_steps=1, window=1) as mngr:
         state = run(mngr, mngr.prepare(make_state()), 0, 1)  # step 0 precedes the first window
-        assert state.ckpt_window.phase == 0
+        assert mngr.next_window_phase == 0
         state = train_step(state, batch(1))
-        stripped = state.replace(ckpt_window=None)
+        stripped = state.replace(ckpt_outbox=None)
         with pytest.raises(RuntimeError, match="exactly once per training step"):
             mngr.step(stripped)
     with CheckpointManager(tmp_path / "b", save_interval_steps=4, window=1) as mngr:
@@ -106,7 +106,7 @@ def test_misuse_errors(tmp_path):
             mngr.restore()  # without a target it returns the saved tree, like Orbax: none here
         # step() before prepare() prepares; outside windows the state is passed through.
         state = mngr.step(make_state())
-        assert mngr.engine.plan is not None and state.ckpt_window is None
+        assert mngr.engine.plan is not None and state.ckpt_outbox is None
         assert mngr.step(state) is state
 
 

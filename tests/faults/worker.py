@@ -190,7 +190,7 @@ def run(directory, steps: int, *, seed: int = 0, resume: bool = False, ref_dir=N
         if resume:
             emit(ev="resumed", step=start)
         for t in range(start, steps):
-            phase = getattr(state.ckpt_window, "phase", None)  # the window phase this step captures
+            phase = mngr.next_window_phase  # the window phase this step captures
             if kill_submit and phase == 0 and t - phase + mngr.engine.schedule.k - 1 == kill_submit[1]:
                 mngr.wait_until_finished()  # what is committed before the kill is then known
                 emit(ev="settled", steps=mngr.all_steps())
