@@ -130,7 +130,11 @@ def write_error(exc: BaseException, *, step: int, path: str) -> CheckpointWriteE
 
 
 def read_error(exc: BaseException, *, step: int | None, path: str, array: str) -> CheckpointError:
-    """Translate a TensorStore read/open failure of ``array`` into a storage error."""
+    """Translate a TensorStore read/open failure of ``array`` into a storage error.
+
+    The status code decides (``DATA_LOSS`` damaged bytes, ``OUT_OF_RANGE`` a truncated file,
+    ``NOT_FOUND`` deleted data), never words of the message: TensorStore messages embed the
+    whole spec, whose option names would otherwise turn a damaged file into "missing"."""
     if isinstance(exc, CheckpointError):
         return exc
     text = str(exc)
@@ -142,11 +146,6 @@ def read_error(exc: BaseException, *, step: int | None, path: str, array: str) -
             f"after they were written (disk corruption or a damaged copy). Restore an earlier "
             f"step (store.all_steps()) or re-copy the checkpoint. Details: {text}",
             array=array, chunk=chunk, step=step, path=path)
-    elif text.startswith("NOT_FOUND") or "does not exist" in text or "missing" in text.lower():
-        err = MissingArrayError(
-            f"Missing data for {where}: {text}. The checkpoint was copied incompletely or "
-            f"files were deleted; restore another step or re-copy the directory.",
-            array=array, step=step, path=path)
     elif text.startswith("OUT_OF_RANGE"):
         err = CorruptCheckpointError(
             f"A data file of {where} is shorter than its index says (truncated copy or disk "
@@ -156,6 +155,11 @@ def read_error(exc: BaseException, *, step: int | None, path: str, array: str) -
         err = CorruptCheckpointError(
             f"Unreadable data for {where}: {text}. Restore an earlier step or re-copy the "
             f"checkpoint.", step=step, path=path)
+    elif text.startswith("NOT_FOUND") or "does not exist" in text:
+        err = MissingArrayError(
+            f"Missing data for {where}: {text}. The checkpoint was copied incompletely or "
+            f"files were deleted; restore another step or re-copy the directory.",
+            array=array, step=step, path=path)
     else:
         err = CheckpointError(f"Reading {where} failed: {text}", step=step, path=path)
     err.__cause__ = exc

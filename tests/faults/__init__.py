@@ -14,10 +14,12 @@ _lock = threading.Lock()
 OUTCOMES: dict[str, dict] = {}
 
 
-def record(fault: str, *, lost: int = 0, wrong: int = 0, outcome: str = "ok") -> None:
+def record(fault: str, *, lost: int = 0, wrong: int = 0, outcome: str = "ok", runs: int = 1) -> None:
+    """Add one run's counts (``runs=0``: more counts of a run already recorded). Call it
+    before asserting on them, so the report shows what a failing run lost."""
     with _lock:
         row = OUTCOMES.setdefault(fault, {"count": 0, "lost": 0, "wrong": 0, "outcome": outcome})
-        row["count"] += 1
+        row["count"] += runs
         row["lost"] += lost
         row["wrong"] += wrong
         row["outcome"] = outcome

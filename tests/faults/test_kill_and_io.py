@@ -23,7 +23,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from overlap_ckpt.storage import CheckpointStore, IncompleteCheckpointError
+from overlap_ckpt.storage import CheckpointNotFoundError, CheckpointStore, IncompleteCheckpointError
 
 from . import record, worker
 
@@ -91,6 +91,21 @@ def _check_resume(directory, ref_losses, snaps, start):
     return wrong, steps
 
 
+# The kill after phase 1 of window 12 races the replay/persist of 12: each of these is a
+# correct end state (12 not yet committed; committed before retention; committed and 4 deleted).
+RACY_OUTCOMES = ([4, 8], [4, 8, 12], [8, 12])
+
+
+def _survivors(expected, evs):
+    """Steps that must be on storage: the stage's expected steps, or (racy case) the newest
+    ``KEEP`` of the steps the worker saw committed before it died."""
+    if expected is not None:
+        return set(expected)
+    committed = {e["step"] for e in evs if e["ev"] == "commit"}
+    committed |= {s for e in evs if e["ev"] == "settled" for s in e["steps"]}
+    return set(sorted(committed)[-worker.KEEP:])
+
+
 @pytest.mark.parametrize("name", list(KILLS))
 def test_sigkill(runs, name):
     results, ref_losses, snaps = runs
@@ -101,24 +116,20 @@ def test_sigkill(runs, name):
     assert all(e["loss"] == ref_losses[e["t"]] for e in evs if e["ev"] == "step")
     expected = KILLS[name][1]
     with CheckpointStore(directory, read_only=True) as store:
-        steps, latest = store.all_steps(), store.latest_step()
-    if expected is None:  # the kill raced the replay/persist of 12: 8 or 12 may be latest
-        assert latest in (8, 12) and 8 in steps, steps
-        expected = [s for s in steps]
-    lost = len(set(expected) - set(steps))
-    assert steps == expected and latest == expected[-1], (steps, expected)
-    wrong = 0
-    for s in steps:  # every listed step restores exactly the reference state
-        wrong += not worker.same_bits(worker.restore_snapshot(directory, s), snaps[s])
-    if "retention" not in name and "committed" not in name and "delete" not in name and latest == 8:
+        steps, latest, partial = store.all_steps(), store.latest_step(), store.incomplete_steps()
+    lost = len(_survivors(expected, evs) - set(steps))
+    wrong = sum(not worker.same_bits(worker.restore_snapshot(directory, s), snaps[s]) for s in steps)
+    record(name, lost=lost, wrong=wrong, outcome=f"latest={latest}, steps {steps}")
+    assert lost == 0 and wrong == 0, (steps, expected, evs[-5:])
+    assert steps in (RACY_OUTCOMES if expected is None else [expected]), steps
+    if 12 not in steps:  # the step being written when killed: never restorable
         with CheckpointStore(directory, read_only=True) as store:
-            with pytest.raises((IncompleteCheckpointError, Exception)):
+            error = IncompleteCheckpointError if 12 in partial else CheckpointNotFoundError
+            with pytest.raises(error, match="12"):
                 store.restore(12)
     resumed_wrong, final_steps = _check_resume(directory, ref_losses, snaps, latest)
-    assert final_steps == [12, 16]
-    record(name, lost=lost, wrong=wrong + resumed_wrong,
-           outcome=f"latest={latest} exact; resumed losses bitwise equal")
-    assert wrong == 0 and resumed_wrong == 0
+    record(name, wrong=resumed_wrong, runs=0, outcome=f"latest={latest} exact; resumed losses bitwise equal")
+    assert resumed_wrong == 0 and final_steps == [12, 16]
 
 
 @pytest.mark.parametrize("name", list(IO))
@@ -135,21 +146,18 @@ def test_io_fault(runs, name):
         steps = store.all_steps()
         assert store.verify().ok and store.incomplete_steps() == []
     wrong = sum(not worker.same_bits(worker.restore_snapshot(directory, s), snaps[s]) for s in steps)
+    lost = len({12, 16} - set(steps))  # the checkpoints after the fault must commit
+    record(name, lost=lost, wrong=wrong,
+           outcome=f"steps {steps}, reported {[(e['type'], e['errno']) for e in done['errors']]}")
+    assert lost == 0 and wrong == 0, steps
+    assert steps == [12, 16]  # the failed one costs only itself
     if err_no is not None:
         # Reported (raised by close / wait_until_finished), naming the step and the errno.
         assert [(e["step"], e["errno"]) for e in done["errors"]] == [(8, err_no)], done
         assert "step 8" in done["errors"][0]["msg"]
-        assert steps == [12, 16]  # the next checkpoint committed (the failed one costs only itself)
-        outcome = f"reported {done['errors'][0]['type']}(errno {err_no}); 12 and 16 committed"
-        lost = 0
     else:
         assert done["errors"] == []
-        assert steps == [12, 16]
         order = [e["ev"] for e in evs if e["ev"] in ("slow_begin", "slow_end", "step")]
         begin = order.index("slow_begin")
         stepped = order[begin:order.index("slow_end", begin)].count("step")
         assert stepped >= 1, order  # the training loop kept stepping while the disk was slow
-        outcome = f"training never waited ({stepped} steps during a slow write); all commits ok"
-        lost = 0
-    record(name, lost=lost, wrong=wrong, outcome=outcome)
-    assert wrong == 0
