@@ -38,6 +38,8 @@ from .plan import CapturePlan, LeafLayout
 from .separability import flat_update_fn, input_tokens, optax_update_fn
 from .slicing import Piece
 
+HOST_KIND = "pinned_host"  # the memory kind jax.memory.Space.Host means on every backend
+
 
 @jax.tree_util.register_static
 @dataclasses.dataclass(frozen=True)
@@ -85,13 +87,23 @@ def to_host(x: jax.Array, layout: LeafLayout, plan: CapturePlan,
             sharding: jax.sharding.Sharding | None = None) -> jax.Array:
     """``x`` placed in the plan's outbox memory, keeping its device layout (per-shard copies).
 
+    The host placement is ``jax.device_put(..., jax.memory.Space.Host)`` rather than a
+    sharding with ``memory_kind="pinned_host"``: compile-only GPU devices (deviceless AOT)
+    list no memories and silently drop a sharding's memory kind, leaving the copy on the
+    device, while the memory space survives on every backend (CPU, GPU, TPU; XLA turns it
+    into an asynchronous ``copy-start``/``copy-done`` to ``S(5)``). The device placement
+    comes first, as a sharding constraint, so that small leaves kept on one device reach
+    the state's mesh (see :func:`overlap_ckpt.core.plan._on_state_devices`).
     A plan without an outbox memory kind (``jax.pmap``, whose outputs always live in device
     memory) leaves the array where it is; the door copies it to the host after the step.
+    Another memory kind than ``pinned_host`` (emulation in tests) is placed by sharding.
     """
     if plan.outbox_memory is None:
         return x
     sharding = sharding or layout.sharding
-    return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
+    if plan.outbox_memory != HOST_KIND:
+        return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
+    return jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
 
 
 def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan) -> jax.Array:
@@ -111,14 +123,16 @@ def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan)
     return to_host(x[piece.start:piece.stop], layout, plan)
 
 
-def scalar_host_sharding(plan: CapturePlan) -> jax.sharding.Sharding | None:
-    """Where global scalars go: replicated over the state's mesh, in the outbox memory."""
+def scalars_to_host(plan: CapturePlan, packed: list[jax.Array]) -> list[jax.Array]:
+    """Global scalars in the outbox memory, replicated over the state's mesh (a scalar has
+    no layout of its own: it goes where the first parameter's devices are)."""
     if plan.outbox_memory is None:
-        return None
+        return packed
     sharding = plan.params[0].sharding
     if isinstance(sharding, NamedSharding):
-        return NamedSharding(sharding.mesh, PartitionSpec(), memory_kind=plan.outbox_memory)
-    return sharding.with_memory_kind(plan.outbox_memory)
+        sharding = NamedSharding(sharding.mesh, PartitionSpec())
+    layout = plan.params[0]
+    return [to_host(x, layout, plan, sharding) for x in packed]
 
 
 def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, Any, list[jax.Array]]:
@@ -188,6 +202,9 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
         raise ValueError("capture_update: the ticket was planned for another optax transformation "
                          "than the one given; plan with the optimizer the step uses")
     _check_shapes(plan, params)
+    outbox = None
+    if ticket.capture and plan.platform != "cpu":
+        outbox, params, opt_state = captured_before_update(ticket, params, opt_state, extras)
     cuts: list = []
     if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
         new_params, new_state = plan.update(params, opt_state, grads)
@@ -201,7 +218,8 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
         # The same update as a captured step (its scalars stay outputs, so XLA compiles the
         # update the same way), without copies: the trajectory does not depend on skips.
         return new_params, new_state, Outbox(ticket, [], [], [], scalars.pack(cuts), [])
-    outbox = capture_state(ticket, params, opt_state, extras)
+    if outbox is None:
+        outbox = capture_state(ticket, params, opt_state, extras)
     if not ticket.last:
         outbox.grads, outbox.globals = capture_grads(ticket, grads, cuts)
     return new_params, new_state, outbox
@@ -217,6 +235,24 @@ def _check_shapes(plan: CapturePlan, params) -> None:
                 f"where the train state holds {layout.shape}: apply_gradients / optimizer.update runs "
                 "inside shard_map or vmap. Call it outside, on the global arrays (compute the "
                 "gradients inside shard_map if you like).")
+
+
+def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any) -> tuple[Outbox, Any, Any]:
+    """The state part of the outbox, ordered before the update that overwrites it (GPU/TPU).
+
+    The update writes the donated input buffers in place while the asynchronous copies read
+    them. With no order between the two, XLA:GPU's copy insertion first copies each captured
+    input leaf into a device temporary (seen in the compile-only H100 program: a window cost
+    an extra slice of device memory). An optimization barrier over (the copies, the state)
+    makes the update wait for the copies, so they read the donated buffers themselves and
+    overlap the forward and backward passes, which do not wait. The CPU backend keeps the
+    capture after the update (its barriers are removed before fusion, and its programs stay
+    bitwise as they were).
+    """
+    outbox = capture_state(ticket, params, opt_state, extras)
+    (outbox.state, outbox.shared), params, opt_state = jax.lax.optimization_barrier(
+        ((outbox.state, outbox.shared), params, opt_state))
+    return outbox, params, opt_state
 
 
 def capture_state(ticket: WindowTicket, params, opt_state, extras: Any) -> Outbox:
@@ -248,6 +284,4 @@ def capture_grads(ticket: WindowTicket, grads, cuts: list) -> tuple[list, list]:
     grads_leaves = jax.tree.leaves(grads)
     pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p, plan)
               for p in plan.slicing.pieces_upto(ticket.phase)]
-    host = scalar_host_sharding(plan)
-    packed = scalars.pack(cuts)
-    return pieces, packed if host is None else [jax.device_put(x, host) for x in packed]
+    return pieces, scalars_to_host(plan, scalars.pack(cuts))
