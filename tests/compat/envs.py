@@ -7,7 +7,7 @@ own, importing that release. Each venv is built once and reused, under
 overrides the folder). It sees the main environment's packages (``--system-site-packages``)
 and installs only its pins on top, which pip keeps in its cache: a build takes seconds, not
 the minutes of a full install. A ``.complete`` marker is written last, so a build cut short
-is rebuilt, never half used.
+is rebuilt, never half used; building one removes the venvs of its older pins.
 
 Environments whose pins the main environment already satisfies run there, without a venv.
 """
@@ -90,7 +90,8 @@ class OrbaxEnv:
         return str(python)
 
     def _build(self, venv: pathlib.Path) -> None:
-        shutil.rmtree(venv, ignore_errors=True)
+        for stale in venv.parent.glob(f"{self.name}-*"):  # older pins of this environment
+            shutil.rmtree(stale, ignore_errors=True)
         venv.parent.mkdir(parents=True, exist_ok=True)
         requirements = [f"{package}=={version}" for package, version in self.pins]
         commands = [[sys.executable, "-m", "venv", "--system-site-packages", str(venv)],

@@ -113,8 +113,8 @@ def test_we_restore_what_stock_orbax_writes(env, tmp_path):
 
 
 def test_library_at_dependency_floors(tmp_path):
-    """In the floor venv: train, checkpoint and restore bitwise with the library itself,
-    then that environment's Orbax reads every step as the library reads it back."""
+    """In the floor venv: train, checkpoint and restore bitwise with the library itself
+    (Linen and NNX), then that environment's Orbax reads every step as the library does."""
     (floor,) = [e for e in MATRIX if e.name == "floor"]
     python = python_of(floor)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(envs.REPO), os.environ.get("PYTHONPATH", "")]))
@@ -123,6 +123,8 @@ def test_library_at_dependency_floors(tmp_path):
         smoke = pickle.load(f)
     for package, version in floor.pins:
         assert smoke["versions"][package] == version, f"the floor venv runs {package} {smoke['versions'][package]}"
-    assert sorted(smoke["steps"]) == [4, 8]
-    read = orbax_read(python, tmp_path / "ck", smoke["steps"][8], tmp_path)
-    assert_read_bitwise(read, smoke["steps"], floor)
+    assert sorted(smoke["steps"]) == ["linen", "nnx"]
+    for style, trees in smoke["steps"].items():
+        assert sorted(trees) == [4, 8], style
+        read = orbax_read(python, tmp_path / "ck" / style, trees[8], tmp_path)
+        assert_read_bitwise(read, trees, floor)
