@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
-from ..hostarray import covers, full_index, index_key, local_blocks
+from ..hostarray import covers, index_key, local_blocks, normalize_index
 from . import backend
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
 from .slicing import Piece, Slicing, make_slicing
@@ -60,19 +60,35 @@ class LeafLayout:
 
 
 def leaf_layout(x: Any) -> LeafLayout:
-    """The layout of a concrete array, or of a ``ShapeDtypeStruct`` on one device (a
-    replica of a ``pmap`` state, planned without touching its data)."""
+    """The layout of a concrete array or of a ``jax.ShapeDtypeStruct`` with a sharding.
+
+    An abstract leaf is planned without data: a replica of a ``pmap`` state, or a state
+    placed on compile-only devices (``overlap_ckpt.aot`` compiles window programs for a
+    TPU mesh or an H100 from a CPU machine), sharded over a mesh (FSDP) or not.
+    """
     if isinstance(x, jax.ShapeDtypeStruct):
-        if not isinstance(x.sharding, jax.sharding.SingleDeviceSharding):
-            raise TypeError("an abstract leaf can only be planned on one device")
-        shape = tuple(x.shape)
-        return LeafLayout(shape, np.dtype(x.dtype), x.sharding, shape, (full_index(shape),))
-    if not isinstance(x, jax.Array):
-        x = jax.numpy.asarray(x)
+        if x.sharding is None:
+            raise TypeError("an abstract leaf (jax.ShapeDtypeStruct) needs a sharding to be planned: "
+                            "pass sharding=NamedSharding(mesh, spec) or SingleDeviceSharding(device)")
+        blocks = abstract_blocks(tuple(x.shape), x.sharding)
+    else:
+        if not isinstance(x, jax.Array):
+            x = jax.numpy.asarray(x)
+        blocks = [index for index, _ in local_blocks(x)]
     sharding = x.sharding
-    blocks = sorted((index for index, _ in local_blocks(x)), key=index_key)
-    return LeafLayout(tuple(x.shape), np.dtype(x.dtype), sharding,
-                      tuple(sharding.shard_shape(x.shape)), tuple(blocks))
+    return LeafLayout(tuple(x.shape), np.dtype(x.dtype), sharding, tuple(sharding.shard_shape(x.shape)),
+                      tuple(sorted(blocks, key=index_key)))
+
+
+def abstract_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[tuple[slice, ...]]:
+    """The distinct blocks of an array of ``shape`` placed by ``sharding`` that this process
+    would hold (one per shard, as :func:`overlap_ckpt.hostarray.local_blocks` yields them)."""
+    blocks: dict = {}
+    for device, index in sharding.devices_indices_map(shape).items():
+        if device.process_index == jax.process_index():
+            index = normalize_index(index, shape)
+            blocks.setdefault(index_key(index), index)
+    return list(blocks.values())
 
 
 def _layouts(tree) -> tuple[Any, list[LeafLayout]]:
