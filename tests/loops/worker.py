@@ -282,6 +282,91 @@ def nnx_functional(h: Harness) -> None:
             h.after_step(t, loss, mngr)
 
 
+# -- e2. NNX LM the way Flax's NNX examples write it: nnx.jit, and the state walked ----------
+def nnx_lm_create():
+    from overlap_ckpt.tools.models import LMConfig, nnx_init
+
+    config = LMConfig.preset("tiny", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8)
+    model = nnx_init(config, seed=0)
+    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2, b2=0.98, weight_decay=1e-4))
+    return model, overlap_ckpt.nnx.Optimizer(model, tx, wrt=nnx.Param)
+
+
+def lm_batch(t: int) -> dict:
+    from overlap_ckpt.tools.models import SyntheticTokens
+
+    return SyntheticTokens(64, 8, batch_size=4, seed=0).batch(t)
+
+
+def sharding_report(optimizer) -> dict:
+    """What Flax's gemma example prints before training, and the logging such loops do every
+    step: every variable's shape, dtype and value, the parameter count, a tree map of
+    zeros over the whole state, an EMA-style copy of the params."""
+    report = {"/".join(map(str, path)): (v.shape, str(v.dtype), float(jnp.sum(jnp.abs(v[...]))))
+              for path, v in nnx.to_flat_state(nnx.state(optimizer))}
+    count = sum(x.size for x in jax.tree.leaves(nnx.state(optimizer, nnx.Param)))
+    zeros = jax.tree.map(jnp.zeros_like, nnx.state(optimizer))
+    ema = jax.tree.map(lambda p: 0.999 * p, nnx.state(optimizer, nnx.OptState))
+    assert len(jax.tree.leaves(zeros)) == len(report) and jax.tree.leaves(ema)
+    return {"variables": len(report), "count": count}
+
+
+@style
+def nnx_lm_jit(h: Harness) -> None:
+    from overlap_ckpt.tools.models import nnx_loss_fn
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def train_step(model, optimizer, batch):
+        loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    model, optimizer = nnx_lm_create()
+    sharding_report(optimizer)
+    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
+        if h.resume:
+            mngr.restore(target_state=optimizer, model=model)
+        else:
+            mngr.prepare(optimizer, model)
+        mngr.compile_ahead(train_step, model, optimizer, lm_batch(0))
+        for t in range(int(optimizer.step[...]), h.steps):
+            h.before_step(t, mngr)
+            loss = train_step(model, optimizer, lm_batch(t))
+            mngr.step(optimizer)
+            sharding_report(optimizer)
+            h.after_step(t, loss, mngr)
+
+
+# -- e3. NNX LM, jax.jit over NNX objects: nnx.state in, nnx.update after --------------------
+@style
+def nnx_lm_state_update(h: Harness) -> None:
+    from overlap_ckpt.tools.models import nnx_loss_fn
+
+    @functools.partial(jax.jit, static_argnums=0, donate_argnums=1)
+    def train_step(graphdef, state, batch):
+        model, optimizer = nnx.merge(graphdef, state)
+        loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer)), loss
+
+    model, optimizer = nnx_lm_create()
+    graphdef = nnx.graphdef((model, optimizer))
+    sharding_report(optimizer)
+    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
+        if h.resume:
+            state = mngr.restore(target_state=nnx.state((model, optimizer)), graphdef=graphdef)
+        else:
+            state = mngr.prepare(nnx.state((model, optimizer)), graphdef=graphdef)
+        nnx.update((model, optimizer), state)
+        for t in range(int(optimizer.step[...]), h.steps):
+            h.before_step(t, mngr)
+            state, loss = train_step(graphdef, nnx.state((model, optimizer)), lm_batch(t))
+            state = mngr.step(state)
+            nnx.update((model, optimizer), state)
+            sharding_report(optimizer)
+            h.after_step(t, loss, mngr)
+
+
 # -- f. TrainState with extra fields: DynamicScale, a raw and a typed PRNG key ---------------
 class FieldsTrainState(overlap_ckpt.TrainState):
     dynamic_scale: DynamicScale
