@@ -99,3 +99,40 @@ def test_plain_nnx_optimizer_and_shape_mismatch(tmp_path):
             mngr.restore(4, target_state=optimizer2, model=model2)
         msg = str(info.value)
         assert "fc1" in msg and "kernel" in msg and "(16, 32)" in msg and "(16, 48)" in msg, msg
+
+
+def test_compile_ahead_of_an_nnx_jit_step_compiles_every_window_variant_off_the_training_thread(tmp_path):
+    """``compile_ahead(train_step, model, optimizer, batch)`` with an ``nnx.jit`` step: the
+    window variants compile in the background from abstract copies of the objects, and the
+    training thread compiles only the user's own program."""
+    import threading
+
+    from jax import monitoring
+
+    compiles = []
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and "nnx_ahead_step" in fun_name else None)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def nnx_ahead_step(model, optimizer, batch):  # a step of its own: nothing compiled elsewhere
+        loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+        optimizer.update(model, grads)
+        return loss
+
+    model, optimizer = make()
+    before = snapshot(model, optimizer)
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=2) as mngr:
+        mngr.prepare(optimizer, model)
+        compiling = mngr.compile_ahead(nnx_ahead_step, model, optimizer, DATA.batch(0))
+        bitwise_equal(snapshot(model, optimizer), before)  # the live objects were not touched
+        nnx_ahead_step(model, optimizer, DATA.batch(0))
+        mngr.step(optimizer)
+        compiling.join()
+        assert compiles == [threading.main_thread().name] + ["overlap-ckpt-compile-ahead"] * 2, compiles
+        for t in range(1, 2 * INTERVAL + 1):
+            nnx_ahead_step(model, optimizer, DATA.batch(t))
+            mngr.step(optimizer)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [INTERVAL, 2 * INTERVAL]
+    assert len(compiles) == 3, compiles  # no window variant compiled on the training thread
