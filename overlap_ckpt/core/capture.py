@@ -100,6 +100,11 @@ def to_host(x: jax.Array, layout: LeafLayout, plan: CapturePlan,
     """
     if plan.outbox_memory is None:
         return x
+    if jax.sharding.get_abstract_mesh().manual_axes:
+        # Inside jax.pmap with a broadcast state (in_axes=None): every device holds the whole
+        # leaf and no placement on the state's devices applies. pmap brings its outputs back
+        # in device memory, replicated; the engine copies replica 0 to the host.
+        return jax.device_put(x, jax.memory.Space.Host)
     sharding = sharding or layout.sharding
     if plan.outbox_memory != HOST_KIND:
         return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))

@@ -39,9 +39,9 @@ import pytest
 
 HERE = os.path.dirname(os.path.abspath(__file__))
 REPO = os.path.dirname(os.path.dirname(HERE))
-STYLES = ["linen_fsdp", "linen_pmap", "explicit_mesh", "nnx_jit", "nnx_functional", "nnx_lm_jit",
+STYLES = ["linen_fsdp", "linen_pmap", "linen_pmap_broadcast", "explicit_mesh", "nnx_jit", "nnx_functional", "nnx_lm_jit",
           "nnx_lm_state_update", "trainstate_fields", "app_layout", "shard_map"]
-DEVICES = {"linen_fsdp": 2, "linen_pmap": 2, "explicit_mesh": 2, "shard_map": 2}  # others: 1
+DEVICES = {"linen_fsdp": 2, "linen_pmap": 2, "linen_pmap_broadcast": 2, "explicit_mesh": 2, "shard_map": 2}  # others: 1
 STEPS, WINDOW = 18, 2
 KILL_VERSION = 12  # the third window; its phase 0 runs at step 11
 PARALLEL = 2

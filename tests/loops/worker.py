@@ -188,6 +188,45 @@ def linen_pmap(h: Harness) -> None:
             h.after_step(t, loss[0], mngr)
 
 
+# -- b2. Linen + jax.pmap over one broadcast state (in_axes=None), as Flax's newer examples ----
+@style
+def linen_pmap_broadcast(h: Harness) -> None:
+    model = M.CNN()
+
+    def create_train_state():
+        variables = model.init(jax.random.key(0), np.ones((1, 8, 8, 1), np.float32), train=False)
+        tx = optax.adamw(1e-2, weight_decay=1e-4)
+        return PmapTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                     batch_stats=variables["batch_stats"])
+
+    def train_step(state, batch):
+        def loss_fn(params):
+            logits, new_model_state = state.apply_fn(
+                {"params": params, "batch_stats": state.batch_stats}, batch["image"], train=True,
+                mutable=["batch_stats"])
+            return M.cross_entropy(logits, batch["label"]), new_model_state
+
+        (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+        grads = lax.pmean(grads, axis_name="batch")
+        batch_stats = lax.pmean(new_model_state["batch_stats"], axis_name="batch")
+        return state.apply_gradients(grads=grads, batch_stats=batch_stats), lax.pmean(loss, "batch")
+
+    p_train_step = jax.pmap(train_step, axis_name="batch", in_axes=(None, 0), out_axes=(None, 0))
+
+    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
+        if h.resume:
+            target = create_train_state()
+            state = mngr.restore(target_state=target)
+            h.restored(state, like=target)
+        else:
+            state = mngr.prepare(create_train_state())
+        for t in range(int(state.step), h.steps):
+            h.before_step(t, mngr)
+            state, loss = p_train_step(state, common_utils.shard(M.image_batch(t)))
+            state = mngr.step(state)
+            h.after_step(t, loss[0], mngr)
+
+
 # -- c. explicit sharding (sharding in types, jax.set_mesh, reshard) ------------------------
 @style
 def explicit_mesh(h: Harness) -> None:
