@@ -207,3 +207,60 @@ def test_functional_nnx_state_walks_like_flax_at_every_step(tmp_path):
             ref_state = functional_step(ref_graphdef, ref_state)
         assert phases == {None, 0, 1}
         mngr.wait_until_finished()
+
+
+PMAP_WALK = r"""
+import functools, tempfile
+import flax.linen as nn, jax, jax.numpy as jnp, numpy as np, optax
+from flax import jax_utils, serialization
+from flax.training import train_state
+import overlap_ckpt as oc
+
+model = nn.Dense(3)
+x = np.linspace(-1, 1, 2 * 3 * 4, dtype=np.float32).reshape(2, 3, 4)
+tx = optax.adam(1e-2)
+
+
+def make(cls):
+    return cls.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x[0])["params"], tx=tx)
+
+
+def step(state, xb):
+    grads = jax.lax.pmean(jax.grad(lambda p: jnp.mean(state.apply_fn({"params": p}, xb) ** 2))(state.params), "d")
+    return state.apply_gradients(grads=grads)
+
+
+def walk(state):
+    leaves = jax.tree_util.tree_flatten_with_path(state)[0]
+    return ([(jax.tree_util.keystr(p), v.shape, str(v.dtype)) for p, v in leaves],
+            jax.tree.structure(jax.tree.map(np.shape, serialization.to_state_dict(state))))
+
+
+for name, kwargs, prepare in [("replicated", {}, jax_utils.replicate),
+                              ("broadcast", {"in_axes": (None, 0), "out_axes": None}, lambda s: s)]:
+    p_step = jax.pmap(step, axis_name="d", **kwargs)
+    flax_state = prepare(make(train_state.TrainState))
+    if name == "broadcast":
+        flax_state = flax_state.replace(step=jnp.int32(0))
+    with oc.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=4, window=2) as mngr:
+        state = mngr.prepare(prepare(make(oc.TrainState)))
+        phases = set()
+        for t in range(10):
+            phases.add(mngr.next_window_phase)
+            assert walk(state) == walk(flax_state), (name, t, walk(state), walk(flax_state))
+            state = mngr.step(p_step(state, x))
+            flax_state = p_step(flax_state, x)
+        assert phases == {None, 0, 1}, phases
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8], mngr.all_steps()
+print("walked")
+"""
+
+
+def test_pmap_states_walk_like_flax_at_every_step():
+    """jax.pmap, replicated and broadcast (``in_axes=None``): the state between steps is
+    Flax's, window or not (two simulated devices, in a fresh interpreter)."""
+    from conftest import run_python
+
+    proc = run_python(PMAP_WALK, devices=2)
+    assert proc.returncode == 0 and "walked" in proc.stdout, proc.stderr[-4000:]
