@@ -7,8 +7,9 @@ import json
 import os
 import shutil
 import subprocess
+import sys
+import textwrap
 import time
-import uuid
 from pathlib import Path
 
 import jax
@@ -122,33 +123,42 @@ def test_error_raised_by_next_save_which_is_not_queued(saved, hook):
     assert saved.all_steps() == [1, 3]
 
 
-def _mount_tmpfs(path: Path, size: str) -> bool:
-    if os.geteuid() != 0 or shutil.which("mount") is None:
-        return False
-    path.mkdir(parents=True, exist_ok=True)
-    return subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(path)],
-                          capture_output=True).returncode == 0
+# Runs in its own user + mount namespace (``unshare -rm``), where any user may mount a
+# tmpfs: a real full filesystem in CI, root or not, that disappears with the process.
+_ENOSPC_SCENARIO = textwrap.dedent("""
+    import sys
+    import numpy as np
+    from overlap_ckpt.storage import OutOfSpaceError, CheckpointStore
+
+    store = CheckpointStore(sys.argv[1])
+    store.save(1, {"a": np.ones(1000, np.float32)})
+    store.wait_until_finished()
+    store.save(2, {"a": np.ones(2 << 20, np.float32)})  # 8 MiB on a 3 MiB filesystem
+    try:
+        store.wait_until_finished()
+    except OutOfSpaceError as e:
+        assert "ENOSPC" in str(e) and e.step == 2, e
+    else:
+        raise AssertionError("a write to a full filesystem did not raise OutOfSpaceError")
+    assert store.all_steps() == [1] and store.incomplete_steps() == [], store.all_steps()
+    store.save(3, {"a": np.full(1000, 3, np.float32)})  # the space of the failed step is back
+    store.wait_until_finished()
+    assert store.all_steps() == [1, 3] and store.verify().ok
+    store.close()
+    print("ENOSPC-SCENARIO-OK")
+""")
 
 
 def test_real_enospc_on_tiny_tmpfs(tmp_path):
-    mnt = tmp_path / f"tmpfs_{uuid.uuid4().hex[:8]}"
-    if not _mount_tmpfs(mnt, "3m"):
-        pytest.skip("cannot mount a tmpfs here (needs root); the injected ENOSPC tests cover the logic")
-    try:
-        store = CheckpointStore(mnt / "ck")
-        store.save(1, {"a": np.ones(1000, np.float32)})
-        store.wait_until_finished()
-        store.save(2, {"a": np.ones(2 << 20, np.float32)})  # 8 MiB: cannot fit
-        with pytest.raises(OutOfSpaceError, match="ENOSPC"):
-            store.wait_until_finished()
-        assert store.all_steps() == [1] and store.incomplete_steps() == []
-        store.save(3, {"a": np.full(1000, 3, np.float32)})
-        store.wait_until_finished()
-        assert store.all_steps() == [1, 3]
-        assert store.verify().ok
-        store.close()
-    finally:
-        subprocess.run(["umount", str(mnt)], capture_output=True)
+    mnt = tmp_path / "tmpfs"
+    mnt.mkdir()
+    mount_and_run = 'mount -t tmpfs -o size=3m tmpfs "$1" && exec "$2" -c "$3" "$1/ck"'
+    proc = subprocess.run(["unshare", "-rm", "sh", "-c", mount_and_run, "sh", str(mnt),
+                           sys.executable, _ENOSPC_SCENARIO],
+                          env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
+                          timeout=240)
+    assert proc.returncode == 0 and "ENOSPC-SCENARIO-OK" in proc.stdout, proc.stderr[-3000:]
+    assert not os.listdir(mnt)  # everything was written inside the namespace's tmpfs
 
 
 # -- missing data ----------------------------------------------------------------------------

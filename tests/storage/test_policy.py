@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import threading
-import time
+import types
 
 import numpy as np
 import pytest
@@ -53,18 +53,21 @@ def test_retention_in_store(tmp_path):
 
 @pytest.fixture
 def stalled():
-    """A hook that holds the persist of step 1 until released."""
-    gate = threading.Event()
-    started = threading.Event()
+    """A hook that holds the persist of step 1 until ``gate`` is set; ``released`` tells that
+    it let go, ``events`` is the order of storage stages and of the test's own marks."""
+    stall = types.SimpleNamespace(gate=threading.Event(), started=threading.Event(),
+                                  released=threading.Event(), events=[])
 
     def hook(stage, info):
+        stall.events.append((stage, info["step"]))
         if stage == "start" and info["step"] == 1:
-            started.set()
-            gate.wait(20)
+            stall.started.set()
+            stall.gate.wait(30)
+            stall.released.set()
 
     previous = set_fault_hook(hook)
-    yield gate, started
-    gate.set()
+    yield stall
+    stall.gate.set()
     set_fault_hook(previous)
 
 
@@ -73,14 +76,13 @@ def state(step):
 
 
 def test_drop_oldest_unstarted_instead_of_blocking(tmp_path, stalled, caplog):
-    gate, started = stalled
+    gate, started = stalled.gate, stalled.started
     with CheckpointStore(tmp_path, max_pending_host_copies=2) as store:
         store.save(1, state(1))
         assert started.wait(10)
-        t0 = time.perf_counter()
         for step in (2, 3, 4):
             store.save(step, state(step))
-        assert time.perf_counter() - t0 < 1.0  # never blocked training
+        assert not stalled.released.is_set()  # never blocked training: step 1 is still held
         assert store.pending_steps() == [1, 4]  # in flight + newest queued = 2 host copies
         assert store.dropped_steps == [2, 3]
         assert "dropped before it started" in caplog.text
@@ -90,7 +92,7 @@ def test_drop_oldest_unstarted_instead_of_blocking(tmp_path, stalled, caplog):
 
 
 def test_single_host_copy_drops_the_new_save(tmp_path, stalled):
-    gate, started = stalled
+    gate, started = stalled.gate, stalled.started
     with CheckpointStore(tmp_path, max_pending_host_copies=1) as store:
         store.save(1, state(1))
         assert started.wait(10)
@@ -102,18 +104,19 @@ def test_single_host_copy_drops_the_new_save(tmp_path, stalled):
 
 
 def test_block_policy_waits_for_room(tmp_path, stalled):
-    gate, started = stalled
+    gate, started = stalled.gate, stalled.started
     with CheckpointStore(tmp_path, max_pending_host_copies=2, on_backpressure="block") as store:
         store.save(1, state(1))
         assert started.wait(10)
         store.save(2, state(2))  # room for one queued copy
-        done = threading.Event()
-        saver = threading.Thread(target=lambda: (store.save(3, state(3)), done.set()))
+        saver = threading.Thread(target=lambda: (store.save(3, state(3)),
+                                                 stalled.events.append(("saved", 3))))
         saver.start()
-        assert not done.wait(0.3)  # blocked: two copies already held
+        saver.join(0.5)  # a save that does not block is back by now, before step 1 commits
         gate.set()
-        assert done.wait(20)
-        saver.join()
+        saver.join(30)
+        # Blocked: two copies were held, so save(3) returned only after step 1 committed.
+        assert stalled.events.index(("committed", 1)) < stalled.events.index(("saved", 3))
         store.wait_until_finished()
         assert store.all_steps() == [1, 2, 3] and store.dropped_steps == []
 
@@ -130,7 +133,7 @@ def test_invalid_policy_arguments(tmp_path):
 def test_out_of_order_arrivals_drop_the_lowest_step(tmp_path, stalled):
     """An explicit save of a later step can be queued before earlier windows arrive; the
     lowest step is the one dropped, never the newest."""
-    gate, started = stalled
+    gate, started = stalled.gate, stalled.started
     with CheckpointStore(tmp_path, max_pending_host_copies=2) as store:
         store.save(1, state(1))
         assert started.wait(10)

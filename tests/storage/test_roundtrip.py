@@ -122,27 +122,31 @@ def test_jax_arrays_and_sharded_host_arrays(tmp_path):
 
 
 def test_save_is_non_blocking_and_buffers_are_referenced(tmp_path):
+    """save() returns while the persist is held at its first stage: the hook has not been
+    released when save() is back (a blocking save would wait for the gate to time out)."""
     import threading
-    import time
 
-    gate = threading.Event()
+    entered, gate, released = threading.Event(), threading.Event(), threading.Event()
 
     def hook(stage, info):
         if stage == "start":
-            gate.wait(10)
+            entered.set()
+            gate.wait(30)
+            released.set()
 
     previous = set_fault_hook(hook)
     try:
         with CheckpointStore(tmp_path) as store:
-            t0 = time.perf_counter()
             store.save(1, {"w": np.ones((256, 256), np.float32)})
-            assert time.perf_counter() - t0 < 0.5  # returned while the persist is held
+            assert not released.is_set()  # returned while the persist is held
+            assert entered.wait(30)  # ...and the persist is under way in the background
             assert store.pending_steps() == [1] and store.all_steps() == []
             gate.set()
             store.wait_until_finished()
             assert store.all_steps() == [1]
             assert store.history[-1].nbytes == 256 * 256 * 4
     finally:
+        gate.set()
         set_fault_hook(previous)
 
 

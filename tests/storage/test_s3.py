@@ -62,10 +62,11 @@ def test_s3_bad_bucket_fails_at_open_with_a_clear_error(s3_spec):
 
 def test_s3_endpoint_lost_mid_training_fails_the_persist_not_training(s3_spec):
     """The endpoint becomes unreachable after the store opened: save() still returns at
-    once, the persist fails after a few bounded retries, the error surfaces from
-    wait_until_finished (and would from the next save), and earlier steps are untouched."""
+    once (while the persist is held at its first stage), the persist fails after a few
+    bounded retries, the error surfaces from wait_until_finished (and would from the next
+    save), and earlier steps are untouched."""
     import socket
-    import time
+    import threading
 
     tree = {"w": np.arange(64, dtype=np.float32)}
     spec = dict(s3_spec, path="lost/")
@@ -80,12 +81,23 @@ def test_s3_endpoint_lost_mid_training_fails_the_persist_not_training(s3_spec):
     store = CheckpointStore(spec, max_request_retries=2, read_only=True)
     store.read_only = False
     store.location = open_location(dict(spec, endpoint=dead), store._context)
-    start = time.perf_counter()
-    store.save(2, tree)
-    assert time.perf_counter() - start < 1.0  # training is not blocked
-    with pytest.raises(CheckpointWriteError, match="step 2 .*(connect|Could not)"):
-        store.wait_until_finished()
-    assert time.perf_counter() - start < 30
+    gate, released = threading.Event(), threading.Event()
+
+    def hold(stage, info):
+        if stage == "start":
+            gate.wait(30)
+            released.set()
+
+    previous = set_fault_hook(hold)
+    try:
+        store.save(2, tree)
+        assert not released.is_set()  # training is not blocked: save returned, persist held
+        gate.set()
+        with pytest.raises(CheckpointWriteError, match="step 2 .*(connect|Could not)"):
+            store.wait_until_finished()
+    finally:
+        gate.set()
+        set_fault_hook(previous)
     store.close()
     with CheckpointStore(spec, read_only=True) as again:
         assert again.all_steps() == [1]
