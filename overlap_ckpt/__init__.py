@@ -21,12 +21,13 @@ from .errors import (ConfigError, InternalError, OverlapCkptError, TreeMismatchE
 from .hostarray import HostArray, HostShard
 from .doors.linen import TrainState
 from .manager import CheckpointManager
+from .tiers import LocalTier
 from .doors import nnx
 
 __all__ = [
     "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "InternalError", "OverlapCkptError",
     "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
-    "TrainState", "CheckpointManager", "nnx",
+    "TrainState", "CheckpointManager", "LocalTier", "nnx",
 ]
 __version__ = "0.1.0"
 

@@ -36,6 +36,7 @@ from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
 from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
 from .save_tree import Arrange, SaveTree
+from .tiers import LocalTier, TieredStore
 
 log = logging.getLogger(__name__)
 
@@ -66,13 +67,15 @@ class CheckpointManager:
         A store opened with ``on_backpressure="block"`` waits instead (on its own thread).
       store: an already-open :class:`CheckpointStore` instead of opening ``directory``.
       persist_bytes_per_s: storage bandwidth assumed by ``window="auto"``.
+      local: a :class:`overlap_ckpt.tiers.LocalTier`: also checkpoint every ``local.every``
+        steps to a node-local directory (the same host copy; see docs/tiers.md).
     """
 
     def __init__(self, directory: Any = None, *, save_interval_steps: int | None = None,
                  max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
                  window: int | str = "auto", save_tree: Arrange | None = None, item_name: str = "default",
                  on_error: str = "raise", max_host_bytes: int | None = None, store: Any = None,
-                 persist_bytes_per_s: float = 1e9):
+                 persist_bytes_per_s: float = 1e9, local: LocalTier | None = None):
         if save_interval_steps is not None and (isinstance(save_interval_steps, bool) or not isinstance(
                 save_interval_steps, int) or save_interval_steps < 1):
             raise ConfigError(f"save_interval_steps must be an int >= 1 (or None to only restore), "
@@ -83,13 +86,25 @@ class CheckpointManager:
             raise ConfigError(f"on_error must be 'raise' or 'log', got {on_error!r}")
         if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes < 1):
             raise ConfigError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
+        if local is not None:
+            if not isinstance(local, LocalTier):
+                raise ConfigError(f"local must be an overlap_ckpt.LocalTier, got {type(local).__name__}")
+            local.check_interval(save_interval_steps)
         if store is None:
             if directory is None:
                 raise ConfigError("CheckpointManager needs a directory (or store=)")
             from .storage import CheckpointStore
             store = CheckpointStore(directory, max_to_keep=max_to_keep, keep_every_n_steps=keep_every_n_steps,
                                     item_name=item_name, read_only=save_interval_steps is None)
+        if local is not None:
+            try:
+                store = TieredStore(store, local, save_interval_steps)
+            except BaseException:
+                store.close()
+                raise
         self.store = store
+        # Windows run at the local tier's interval; the store routes durable steps onward.
+        self._capture_interval = local.every if local is not None and save_interval_steps else save_interval_steps
         self.directory = directory if directory is not None else store.directory
         self.save_interval_steps = save_interval_steps
         self.window = window
@@ -371,7 +386,7 @@ class CheckpointManager:
         if window == "auto":
             window = 1
             leaves = jax.tree.leaves(parts.params)
-            auto = AutoWindow(self.save_interval_steps, self.persist_bytes_per_s)
+            auto = AutoWindow(self._capture_interval, self.persist_bytes_per_s)
             if leaves and auto.wants_measurement(leaves[0]):
                 self._auto = auto
         save_tree = self._save_tree
@@ -379,7 +394,7 @@ class CheckpointManager:
         def saved_tree(params, opt_state, extras):
             return save_tree.to_saved(door.plain(standard_tree(Parts(params, opt_state, extras, parts.tx))))
 
-        self.engine = OverlapEngine(parts.tx, self.store, interval=self.save_interval_steps, window=window,
+        self.engine = OverlapEngine(parts.tx, self.store, interval=self._capture_interval, window=window,
                                     combine=saved_tree, outbox_memory=door.outbox_memory)
 
     def _attach(self, state: Any, step: int) -> Any:
@@ -457,6 +472,8 @@ class CheckpointManager:
     def _restorable(self, step: int | None) -> int:
         if step is not None:
             return int(step)
+        if isinstance(self.store, TieredStore):  # collective: every process agrees on the step
+            return self.store.newest_step()
         latest = self.latest_step()
         if latest is None:
             from .storage import CheckpointNotFoundError
