@@ -21,7 +21,7 @@ def abstract_array(x: Any) -> Any:
     if not isinstance(x, jax.Array):
         return x
     return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding if x.committed else None,
-                                weak_type=x.weak_type)
+                                weak_type=getattr(x, "weak_type", False))  # typed PRNG keys have none
 
 
 def abstract_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:

@@ -148,31 +148,35 @@ class PmapTrainState(overlap_ckpt.TrainState):
     batch_stats: Any
 
 
+def pmap_create_state(tx) -> PmapTrainState:
+    model = M.CNN()
+    variables = model.init(jax.random.key(0), np.ones((1, 8, 8, 1), np.float32), train=False)
+    return PmapTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
+                                 batch_stats=variables["batch_stats"])
+
+
+def pmap_train_step(state, batch):
+    """The imagenet example's step: gradients and batch statistics averaged over devices."""
+    def loss_fn(params):
+        logits, new_model_state = state.apply_fn(
+            {"params": params, "batch_stats": state.batch_stats}, batch["image"], train=True,
+            mutable=["batch_stats"])
+        return M.cross_entropy(logits, batch["label"]), new_model_state
+
+    (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
+    grads = lax.pmean(grads, axis_name="batch")
+    batch_stats = lax.pmean(new_model_state["batch_stats"], axis_name="batch")
+    new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
+    return new_state, lax.pmean(loss, axis_name="batch")
+
+
 @style
 def linen_pmap(h: Harness) -> None:
-    model = M.CNN()
-
     def create_train_state():
-        variables = model.init(jax.random.key(0), np.ones((1, 8, 8, 1), np.float32), train=False)
         schedule = optax.warmup_cosine_decay_schedule(0.0, 0.1, warmup_steps=5, decay_steps=h.steps)
-        tx = optax.sgd(schedule, momentum=0.9, nesterov=True)
-        return PmapTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                     batch_stats=variables["batch_stats"])
+        return pmap_create_state(optax.sgd(schedule, momentum=0.9, nesterov=True))
 
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits, new_model_state = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats}, batch["image"], train=True,
-                mutable=["batch_stats"])
-            return M.cross_entropy(logits, batch["label"]), new_model_state
-
-        (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        grads = lax.pmean(grads, axis_name="batch")
-        batch_stats = lax.pmean(new_model_state["batch_stats"], axis_name="batch")
-        new_state = state.apply_gradients(grads=grads, batch_stats=batch_stats)
-        return new_state, lax.pmean(loss, axis_name="batch")
-
-    p_train_step = jax.pmap(train_step, axis_name="batch", donate_argnums=(0,))
+    p_train_step = jax.pmap(pmap_train_step, axis_name="batch", donate_argnums=(0,))
 
     with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
         if h.resume:
@@ -191,27 +195,10 @@ def linen_pmap(h: Harness) -> None:
 # -- b2. Linen + jax.pmap over one broadcast state (in_axes=None), as Flax's newer examples ----
 @style
 def linen_pmap_broadcast(h: Harness) -> None:
-    model = M.CNN()
-
     def create_train_state():
-        variables = model.init(jax.random.key(0), np.ones((1, 8, 8, 1), np.float32), train=False)
-        tx = optax.adamw(1e-2, weight_decay=1e-4)
-        return PmapTrainState.create(apply_fn=model.apply, params=variables["params"], tx=tx,
-                                     batch_stats=variables["batch_stats"])
+        return pmap_create_state(optax.adamw(1e-2, weight_decay=1e-4))
 
-    def train_step(state, batch):
-        def loss_fn(params):
-            logits, new_model_state = state.apply_fn(
-                {"params": params, "batch_stats": state.batch_stats}, batch["image"], train=True,
-                mutable=["batch_stats"])
-            return M.cross_entropy(logits, batch["label"]), new_model_state
-
-        (loss, new_model_state), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params)
-        grads = lax.pmean(grads, axis_name="batch")
-        batch_stats = lax.pmean(new_model_state["batch_stats"], axis_name="batch")
-        return state.apply_gradients(grads=grads, batch_stats=batch_stats), lax.pmean(loss, "batch")
-
-    p_train_step = jax.pmap(train_step, axis_name="batch", in_axes=(None, 0), out_axes=(None, 0))
+    p_train_step = jax.pmap(pmap_train_step, axis_name="batch", in_axes=(None, 0), out_axes=(None, 0))
 
     with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
         if h.resume:
@@ -276,25 +263,33 @@ def nnx_create():
     return model, optimizer
 
 
-@style
-def nnx_jit(h: Harness) -> None:
+def nnx_jit_loop(h: Harness, model, optimizer, loss_fn, batch, report=lambda optimizer: None) -> None:
+    """The nnx.jit loop of Flax's NNX examples (``report`` walks the optimizer's state every
+    step, as their logging does)."""
     @nnx.jit(donate_argnums=(0, 1))
     def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+        loss, grads = nnx.value_and_grad(loss_fn)(model, batch)
         optimizer.update(model, grads)
         return loss
 
-    model, optimizer = nnx_create()
+    report(optimizer)
     with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
         if h.resume:
             mngr.restore(target_state=optimizer, model=model)
         else:
             mngr.prepare(optimizer, model)
+        mngr.compile_ahead(train_step, model, optimizer, batch(0))
         for t in range(int(optimizer.step[...]), h.steps):
             h.before_step(t, mngr)
-            loss = train_step(model, optimizer, M.batch(t))
+            loss = train_step(model, optimizer, batch(t))
             mngr.step(optimizer)
+            report(optimizer)
             h.after_step(t, loss, mngr)
+
+
+@style
+def nnx_jit(h: Harness) -> None:
+    nnx_jit_loop(h, *nnx_create(), nnx_loss_fn, M.batch)
 
 
 # -- e. NNX, functional: split once, jax.jit, merge / nnx.state --------------------------------
@@ -354,26 +349,7 @@ def sharding_report(optimizer) -> dict:
 def nnx_lm_jit(h: Harness) -> None:
     from overlap_ckpt.tools.models import nnx_loss_fn
 
-    @nnx.jit(donate_argnums=(0, 1))
-    def train_step(model, optimizer, batch):
-        loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
-        optimizer.update(model, grads)
-        return loss
-
-    model, optimizer = nnx_lm_create()
-    sharding_report(optimizer)
-    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
-        if h.resume:
-            mngr.restore(target_state=optimizer, model=model)
-        else:
-            mngr.prepare(optimizer, model)
-        mngr.compile_ahead(train_step, model, optimizer, lm_batch(0))
-        for t in range(int(optimizer.step[...]), h.steps):
-            h.before_step(t, mngr)
-            loss = train_step(model, optimizer, lm_batch(t))
-            mngr.step(optimizer)
-            sharding_report(optimizer)
-            h.after_step(t, loss, mngr)
+    nnx_jit_loop(h, *nnx_lm_create(), nnx_loss_fn, lm_batch, report=sharding_report)
 
 
 # -- e3. NNX LM, jax.jit over NNX objects: nnx.state in, nnx.update after --------------------
