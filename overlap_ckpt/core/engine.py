@@ -24,7 +24,7 @@ from typing import Any, Callable, Collection, Protocol
 
 import optax
 
-from ..errors import CheckpointFailure, UnsupportedOptimizerError, WindowAborted, brief
+from ..errors import CheckpointFailure, InternalError, UnsupportedOptimizerError, WindowAborted, brief
 from .buffers import HostBuffers
 from . import backend
 from .capture import Outbox, WindowTicket
@@ -212,7 +212,9 @@ class OverlapEngine:
         plan = plan_with(self.chunk_leaves)
         try:
             self._rehearse(plan)
-        except Exception as e:  # noqa: BLE001 - any failure here means: cannot replay this way
+        except InternalError:
+            raise  # a fault of ours: another slicing would hide it, not fix it
+        except Exception as e:  # noqa: BLE001 - any other failure here means: cannot replay this way
             if not plan.chunked:
                 raise _unreplayable(e) from e
             log.info("row-chunked replay is not exact for this optimizer (%s); using whole-leaf slices", brief(e))
@@ -336,8 +338,8 @@ class OverlapEngine:
         return None
 
 
-def _unreplayable(e: BaseException) -> UnsupportedOptimizerError:
-    if isinstance(e, UnsupportedOptimizerError):
+def _unreplayable(e: BaseException) -> UnsupportedOptimizerError | InternalError:
+    if isinstance(e, (UnsupportedOptimizerError, InternalError)):
         return e
     return UnsupportedOptimizerError(
         f"the host cannot replay this optimizer on slices of the state ({type(e).__name__}: "

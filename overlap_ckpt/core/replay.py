@@ -27,7 +27,7 @@ from .capture import Outbox
 from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece
 from .interp import InterpretError, interpret
 from .plan import CapturePlan, LeafLayout
-from .separability import flat_update_fn, input_tokens
+from .separability import blame, flat_update_fn, input_tokens
 from .slicing import Piece
 
 log = logging.getLogger(__name__)
@@ -185,7 +185,7 @@ class ReplayPrograms:
         self.plan = plan
         self.cpu = jax.local_devices(backend="cpu")[0]  # this process's (multi-process CPU jobs)
         n, m = len(plan.params), len(plan.state)
-        flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
+        flat = self._flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
         tokens = input_tokens(n, m)
 
         signature = plan.analysis.cut_signature
@@ -253,7 +253,9 @@ class ReplayPrograms:
             state_in = {j: self.gathered(plan.state[j], [plan.state_piece(j, p) for p in sorted(by_leaf[o])])
                         for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf}
             args = self.arguments(phase, params_in, state_in, dict(params_in), shared)
-            outs, _ = jax.eval_shape(self._run, args, injected)
+            with blame(self._flat, args, f"on the slices of window phase {phase}",
+                       f"rehearsing the host replay of window phase {phase}"):
+                outs, _ = jax.eval_shape(self._run, args, injected)
             for k, x in params_in.items():
                 if tuple(outs[k].shape) != x.shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "

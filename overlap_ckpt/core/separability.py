@@ -16,8 +16,9 @@ because no slicing could replay it exactly.
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import optax
@@ -111,13 +112,11 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
         return [o.value for o in outs]
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*params_leaves, *state_leaves, *params_leaves]]
-    _trace_optimizer(flat, abstract)
     try:
-        jax.eval_shape(traced, *abstract)
-    except (InterpretError, UnsupportedOptimizerError) as e:
+        with blame(flat, abstract, "on this train state", "analysing the optimizer's program"):
+            jax.eval_shape(traced, *abstract)
+    except InterpretError as e:
         raise UnsupportedOptimizerError(str(e)) from e
-    except Exception as e:  # noqa: BLE001 - the update traced on its own: the fault is ours
-        raise internal_error("analysing the optimizer's program", e) from e
     outs, signature, co_reads = labels[0]
     new_params, new_state = outs[:n], outs[n:]
 
@@ -168,20 +167,35 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
     return UpdateAnalysis(n, tuple(owner), not reasons, len(signature), why, signature)
 
 
-def _trace_optimizer(flat: Callable, abstract: list) -> None:
-    """Trace the user's update alone, without our interpreter, so that only its own
-    failures are reported as an unsupported optimizer (see :func:`internal_error`)."""
+@contextlib.contextmanager
+def blame(flat: Callable, args: list, where: str, doing: str) -> Iterator[None]:
+    """Report a failure inside the block as the optimizer's or as ours, never ours as theirs.
+
+    Our analysis and replay run the user's update ``flat`` through :mod:`.interp`, so a
+    failure there may come from the optimizer or from us (a bug, a JAX API missing from an
+    old release). A refusal (:class:`InterpretError`, :class:`UnsupportedOptimizerError`)
+    passes as it is. Any other failure is settled by tracing ``flat`` alone on the same
+    abstract ``args``: if that fails too, the optimizer cannot run ``where``
+    (:class:`UnsupportedOptimizerError`); if not, the fault is ours (``InternalError``).
+    The extra trace runs only on failure, so it costs nothing otherwise.
+    """
     try:
-        jax.eval_shape(flat, *abstract)
-    except UnsupportedOptimizerError:
+        yield
+    except (InterpretError, UnsupportedOptimizerError):
         raise
-    except Exception as e:  # noqa: BLE001 - the optimizer itself fails on this tree
-        raise UnsupportedOptimizerError(
-            f"the optimizer's update fails on this train state ({type(e).__name__}: "
-            f"{brief(e)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
-            "the params tree as the train state holds it; optimizers that need another params "
-            "type (optax.lookahead's LookaheadParams) or extra update arguments are not "
-            "supported.") from e
+    except Exception as e:  # noqa: BLE001 - classified below
+        try:
+            jax.eval_shape(flat, *args)
+        except UnsupportedOptimizerError:
+            raise
+        except Exception as own:  # noqa: BLE001 - the optimizer itself fails on these arguments
+            raise UnsupportedOptimizerError(
+                f"the optimizer's update fails {where} ({type(own).__name__}: "
+                f"{brief(own)}). overlap_ckpt replays tx.update(grads, opt_state, params) on "
+                "the params tree as the train state holds it; optimizers that need another params "
+                "type (optax.lookahead's LookaheadParams) or extra update arguments are not "
+                "supported.") from own
+        raise internal_error(doing, e) from e
 
 
 def _read_with(j: int, co_reads, state_leaves, params_leaves, state_paths, param_paths) -> int | None:

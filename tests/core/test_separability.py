@@ -108,3 +108,26 @@ def test_optimizer_raising_on_its_own_is_still_refused():
     params = make_params([(4, 3)])
     with pytest.raises(UnsupportedOptimizerError, match="learning-rate argument"):
         analyze(broken(), params)
+
+
+def test_failure_of_our_host_replay_is_internal_and_not_retried(monkeypatch):
+    """The rehearsal of the host replay (at plan time) runs our interpreter in inject mode:
+    when that breaks while the optimizer runs fine on the same slices, the fault is ours,
+    reported as such, and not hidden by falling back to whole-leaf slices."""
+    from overlap_ckpt.core import interp
+
+    finish = interp.Interpreter.finish
+
+    def broken_finish(self):
+        if self.mode == "inject":
+            raise KeyError("planted fault in the host replay")
+        return finish(self)
+
+    monkeypatch.setattr(interp.Interpreter, "finish", broken_finish)
+    tx = optax.adam(1e-2)
+    engine = OverlapEngine(tx, MemorySink(), interval=4, window=2)
+    params = make_params([(4, 3), (3,)])
+    with pytest.raises(InternalError, match="planted fault in the host replay") as info:
+        engine.plan_for(params, tx.init(params))
+    engine.close()
+    assert "rehearsing the host replay" in str(info.value)
