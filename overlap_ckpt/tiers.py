@@ -112,10 +112,12 @@ class TieredStore:
         self._namespace = f"overlap_ckpt/tiers/{next(_instances)}"
         self._agreements = itertools.count()
         # No barriers: each process's local tier is its own (node-local) checkpoint directory.
+        # Back-pressure as the durable store's: "block" makes both tiers wait, never drop.
         self.local = CheckpointStore(
             tier.directory(durable.directory, self.process_index, self.process_count),
             max_to_keep=tier.max_to_keep, read_only=durable.read_only, coordinator=SingleProcess(),
-            item_name=durable.item_name, chunk_bytes=durable.chunk_bytes)
+            item_name=durable.item_name, chunk_bytes=durable.chunk_bytes,
+            on_backpressure=durable.on_backpressure, max_pending_host_copies=durable.max_pending_host_copies)
         self._nbytes: dict[int, int] = {}  # step -> bytes of its host copy (one copy, both tiers)
 
     # -- the engine's sink ------------------------------------------------------------------
