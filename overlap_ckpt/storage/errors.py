@@ -113,15 +113,22 @@ def errno_of(exc: BaseException) -> int | None:
     return None
 
 
-def write_error(exc: BaseException, *, step: int, path: str) -> CheckpointWriteError:
-    """Wrap a failure of the persist of ``step`` in the right :class:`CheckpointWriteError`."""
+def write_error(exc: BaseException, *, step: int, path: str,
+                partial_removed: bool = True) -> CheckpointWriteError:
+    """Wrap a failure of the persist of ``step`` in the right :class:`CheckpointWriteError`.
+
+    ``partial_removed`` says whether the partial step is already gone: when the storage
+    itself went away, its removal fails too and is left to the next save (readers never
+    see it either way: it has no commit)."""
     if isinstance(exc, CheckpointWriteError):
         return exc
     code = errno_of(exc)
     fix = _FIXES.get(code, "check the storage and the log above")
     name = _errno.errorcode.get(code, "I/O error") if code else type(exc).__name__
+    partial = ("The partial step was removed" if partial_removed else
+               "The partial step is not committed (readers ignore it) and the next save removes it")
     message = (f"Persisting checkpoint step {step} to {path} failed ({name}): {exc}. "
-               f"The partial step was removed and earlier steps are untouched; "
+               f"{partial}; earlier steps are untouched; "
                f"{fix}, then call save() again (training can continue).")
     cls = OutOfSpaceError if code in (_errno.ENOSPC, _errno.EDQUOT) else CheckpointWriteError
     err = cls(message, errno=code, step=step, path=path)

@@ -473,13 +473,16 @@ class CheckpointStore:
         try:
             self._persist(p)
         except BaseException as e:  # noqa: BLE001 - reported to the training thread
-            err = write_error(e, step=p.step, path=self.location.describe(layout.step_dir(p.step)))
-            log.error("%s", err)
+            removed = True
             if self._coord.is_primary():
                 try:
                     commit.delete_incomplete(self.location, p.step)
                 except Exception:  # noqa: BLE001
+                    removed = False
                     log.exception("Removing the partial step %d failed; the next save retries.", p.step)
+            err = write_error(e, step=p.step, path=self.location.describe(layout.step_dir(p.step)),
+                              partial_removed=removed)
+            log.error("%s", err)
             self._report(err)
             return
         del self.history[:-(_KEEP_RECORDS - 1)]
