@@ -8,7 +8,8 @@ it pickles what Orbax gave back, and the test (in the main environment) compares
     restores every step of ``ROOT`` three ways: ``CheckpointManager(ROOT).restore(step)``
     with no arguments (the handler comes from ``_CHECKPOINT_METADATA``), a typed restore
     of the item directory onto ``jax.Array`` targets built from ``TREE.pkl``'s shapes and
-    dtypes, and ``orbax.checkpoint.v1.load_pytree`` where the release has a v1 API.
+    dtypes, and ``orbax.checkpoint.v1.load_pytree`` where the release has a v1 API; and
+    each step's ``custom_metadata`` (the ``metadata`` dict given to our ``save``).
 
 ``python orbax_side.py write --tree TREE.pkl --root ROOT``
     writes ``TREE.pkl`` at step 1 with ``CheckpointManager`` once per :data:`WRITERS` entry,
@@ -67,7 +68,7 @@ def v1_api():
 
 
 def read(root: str, tree) -> dict:
-    result = {"version": ocp.__version__, "restore": {}, "typed": {}, "v1": {}}
+    result = {"version": ocp.__version__, "restore": {}, "typed": {}, "v1": {}, "custom_metadata": {}}
     v1 = v1_api()
     with ocp.CheckpointManager(root) as mngr:
         for step in mngr.all_steps():
@@ -76,6 +77,7 @@ def read(root: str, tree) -> dict:
                 (item,) = restored.keys()
                 restored = restored[item]
             result["restore"][step] = flat(restored)
+            result["custom_metadata"][step] = mngr.metadata(step).custom_metadata
             typed = ocp.StandardCheckpointer().restore(f"{root}/{step}/{item}", abstract(tree))
             assert all(isinstance(x, jax.Array) for x in jax.tree.leaves(typed)), "typed restore gave non-arrays"
             result["typed"][step] = flat(typed)

@@ -92,6 +92,7 @@ def test_stock_orbax_restores_our_checkpoints(env, tmp_path):
         store.wait_until_finished()
     read = orbax_read(python_of(env), tmp_path / "ours", trees[3], tmp_path)
     assert_read_bitwise(read, trees, env)
+    assert read["custom_metadata"] == {step: {"data_position": step} for step in trees}
 
 
 @pytest.mark.parametrize("env", MATRIX, ids=[e.name for e in MATRIX])
