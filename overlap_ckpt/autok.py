@@ -3,7 +3,9 @@
 On the CPU backend the "device" is host memory and nothing overlaps, so K is 1. On an
 accelerator the manager starts with K=1, times a few steps outside windows (two host
 syncs in the whole run), measures the device-to-host bandwidth once, and asks the cost
-model (:func:`overlap_ckpt.costmodel.choose_k`) for K; the next window uses it.
+model (:func:`overlap_ckpt.costmodel.choose_k`) for K; the next window uses it. Before a
+run, :func:`choose_window` gives the same answer from a step time predicted for a target
+from its compiled program (``overlap-ckpt aot``), so K need not start at 1 "until measured".
 
 The two measurements are the only inputs that depend on the machine; tests replace them
 (:func:`overlap_ckpt.testing.emulate_accelerator`) to run this path on the CPU.
@@ -66,12 +68,21 @@ class AutoWindow:
         self.step_time_s = (clock() - start) / (step - start_step)
         self.done = True
         try:
-            profile = costmodel.TrainingProfile(
-                step_time_s=self.step_time_s, d2h_bytes_per_s=measure_bandwidth(next(iter(leaf.sharding.device_set))),
-                state_bytes=state_bytes, grad_bytes=grad_bytes, persist_bytes_per_s=self.persist_bytes_per_s)
-            k = costmodel.choose_k(profile, interval_steps=self.interval_steps)
+            k = choose_window(self.step_time_s, measure_bandwidth(next(iter(leaf.sharding.device_set))),
+                              state_bytes, grad_bytes, self.persist_bytes_per_s, self.interval_steps)
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.warning("window='auto' could not choose K (%s); keeping K=1", e)
             return 1
         log.info("window='auto': step %.4fs, K=%d", self.step_time_s, k)
         return k
+
+
+def choose_window(step_time_s: float, d2h_bytes_per_s: float, state_bytes: float, grad_bytes: float,
+                  persist_bytes_per_s: float, interval_steps: int) -> int:
+    """K for a step of ``step_time_s`` seconds: the one rule behind ``window="auto"``,
+    whether the step time was measured on the device (:class:`AutoWindow`) or predicted
+    from the compiled program for a target (:mod:`overlap_ckpt.aot.predict`)."""
+    profile = costmodel.TrainingProfile(step_time_s=step_time_s, d2h_bytes_per_s=d2h_bytes_per_s,
+                                        state_bytes=state_bytes, grad_bytes=grad_bytes,
+                                        persist_bytes_per_s=persist_bytes_per_s)
+    return costmodel.choose_k(profile, interval_steps=interval_steps)

@@ -22,6 +22,8 @@ import sys
 import tempfile
 import time
 
+from .models.config import LMConfig
+
 DEMO_MARKER = ".overlap_ckpt_demo"
 DEFAULT_DEMO_DIR = "./overlap_ckpt_demo"
 
@@ -432,11 +434,37 @@ def cmd_simulate(args) -> int:
     return 0
 
 
+def cmd_aot(args) -> int:
+    import jax
+
+    # Compiling needs no accelerator: keep jax's runtime on the CPU so the CUDA plugin
+    # registers without a GPU (its runtime check is skipped) and libtpu claims no chip.
+    jax.config.update("jax_platforms", "cpu")
+    from ..aot import TargetError, get_target
+    from ..aot.benchmark import aot_report
+
+    try:
+        target = get_target(args.target, host_gbps=args.host_gbps)
+    except TargetError as e:
+        raise UserError(str(e)) from None
+    text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
+                               log=lambda line: print(line, file=sys.stderr))
+    if args.output:
+        with open(args.output, "w") as f:
+            f.write(text)
+    print(text)
+    failed = [k for k, w in windows.items() if w.violations()]
+    if args.check and failed:
+        print(f"overlap-ckpt: check failed for K={failed} (see Checks)", file=sys.stderr)
+        return 1
+    return 0
+
+
 # -- entry point -----------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="overlap-ckpt",
                                 description="Overlapped (GoCkpt-style) checkpointing for JAX/Flax.")
-    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,inspect,verify,simulate}")
+    sub = p.add_subparsers(dest="cmd", required=True, metavar="{demo,inspect,verify,simulate,aot}")
     d = sub.add_parser("demo", help="train, kill mid-window, resume, and check bitwise equality")
     d.add_argument("--dir", default=DEFAULT_DEMO_DIR, help=f"checkpoint directory (default {DEFAULT_DEMO_DIR})")
     d.add_argument("--steps", type=int, default=120)
@@ -468,6 +496,18 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
     s.add_argument("--max-k", type=int, default=16)
     s.set_defaults(func=cmd_simulate)
+    a = sub.add_parser("aot", help="compile a benchmark model's window programs for an H100 or a TPU "
+                                   "slice without one; report copies, memory, predicted stall")
+    a.add_argument("--target", required=True, help="h100, cpu, or a TPU topology such as v5e:2x2, v6e:2x2")
+    a.add_argument("--model", default="1b", choices=sorted(LMConfig.PRESETS), help="benchmark LM preset")
+    a.add_argument("--k", type=int, nargs="+", default=None,
+                   help="window sizes to compile (default: 1, what window='auto' picks, the best)")
+    a.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
+    a.add_argument("--batch-per-device", type=int, default=4)
+    a.add_argument("--host-gbps", type=float, default=None, help="device->host GB/s per device")
+    a.add_argument("--output", default=None, help="also write the markdown report here")
+    a.add_argument("--check", action="store_true", help="exit 1 when a window program fails the check")
+    a.set_defaults(func=cmd_aot)
     return p
 
 

@@ -1,0 +1,11 @@
+"""Compile-only checks of the accelerator path: window programs compiled for an H100 or a
+TPU slice on a machine without either, read from their schedule and memory analysis, and
+the stall they predict (``overlap-ckpt aot``, docs/aot.md)."""
+
+from .hlo import DeviceCopy, HostCopy
+from .programs import DeviceMemory, ProgramReport, compile_program
+from .targets import Target, TargetError, get_target
+from .window import AotCheckError, WindowReport, compile_window
+
+__all__ = ["DeviceCopy", "HostCopy", "DeviceMemory", "ProgramReport", "compile_program", "Target",
+           "TargetError", "get_target", "AotCheckError", "WindowReport", "compile_window"]

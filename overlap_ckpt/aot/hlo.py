@@ -1,0 +1,175 @@
+"""Reading a compiled program's schedule: its host copies and its extra device copies.
+
+Why the text: ``compiled.as_text()`` is the *scheduled* HLO module, the instruction order
+the device runs (XLA's own tools check programs the same way). A device-to-host copy is
+asynchronous when it is a ``copy-start``/``copy-done`` pair whose result lives in host
+memory (memory space ``S(5)``), and it overlaps compute when the scheduler put compute
+(fusions, library calls, loops) between the two. A plain ``copy`` into ``S(5)``, or a pair
+with nothing between, stalls the step for the whole transfer.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import re
+
+import numpy as np
+
+HOST_SPACE = "S(5)"  # XLA's memory space of host memory, on GPU and TPU alike
+# Instructions that do a step's work; everything else (tuples, bitcasts, parameters,
+# copies, collectives' bookkeeping) is plumbing.
+COMPUTE_OPCODES = frozenset({"fusion", "custom-call", "convolution", "dot", "while", "conditional", "call"})
+_DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
+                "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
+                "s4": 1, "u4": 1}
+_ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
+_NAME = re.compile(r"%([\w.\-]+)")
+_OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
+_QUEUE = re.compile(r'"operation_queue_id":"(\d+)"')
+
+
+@dataclasses.dataclass(frozen=True)
+class Instruction:
+    name: str
+    shape: str  # the result type as printed (a tuple for copy-start)
+    opcode: str
+    operands: tuple[str, ...]
+    attributes: str
+
+    @property
+    def op_name(self) -> str:
+        m = _OP_NAME.search(self.attributes)
+        return m.group(1).replace("\\'", "'").replace("\\\\", "\\") if m else ""
+
+
+@dataclasses.dataclass(frozen=True)
+class HostCopy:
+    """One device-to-host transfer of a compiled program."""
+
+    leaf: str  # the argument it reads (the train state's leaf), or the op that made the value
+    nbytes: int  # per device
+    asynchronous: bool  # a copy-start/copy-done pair (False: one blocking copy)
+    queue: str  # GPU stream (operation_queue_id); "" where the backend does not say
+    compute_between: int  # compute instructions scheduled between start and done
+
+    @property
+    def overlapped(self) -> bool:
+        return self.asynchronous and self.compute_between > 0
+
+
+@dataclasses.dataclass(frozen=True)
+class DeviceCopy:
+    """A copy of a program argument into device memory (e.g. a donated leaf kept alive)."""
+
+    leaf: str
+    nbytes: int
+
+
+def entry_instructions(hlo_text: str) -> list[Instruction]:
+    """The entry computation's instructions, in schedule order."""
+    lines = hlo_text.splitlines()
+    start = next((i for i, l in enumerate(lines) if l.startswith("ENTRY")), None)
+    if start is None:
+        raise ValueError("not an HLO module: no ENTRY computation")
+    out = []
+    for line in lines[start + 1:]:
+        if line.startswith("}"):
+            break
+        parsed = _parse(line)
+        if parsed is not None:
+            out.append(parsed)
+    return out
+
+
+def _parse(line: str) -> Instruction | None:
+    text = line.strip()
+    if text.startswith("ROOT "):
+        text = text[5:]
+    if not text.startswith("%") or " = " not in text:
+        return None
+    name, rest = text[1:].split(" = ", 1)
+    shape, rest = _take_type(rest)
+    opcode, _, rest = rest.partition("(")
+    operands, attributes = _take_group(rest)
+    return Instruction(name, shape, opcode.strip(), tuple(_NAME.findall(operands)), attributes)
+
+
+def _take_type(text: str) -> tuple[str, str]:
+    if not text.startswith("("):
+        shape, _, rest = text.partition(" ")
+        return shape, rest
+    body, rest = _take_group(text[1:])
+    return f"({body})", rest.lstrip()
+
+
+def _take_group(text: str) -> tuple[str, str]:
+    """``text`` after an opening parenthesis: (the group's body, what follows it)."""
+    depth = 1
+    for i, ch in enumerate(text):
+        depth += ch == "("
+        depth -= ch == ")"
+        if depth == 0:
+            return text[:i], text[i + 1:]
+    return text, ""
+
+
+def array_bytes(shape: str) -> int:
+    """Bytes of the first array in a printed type (``f32[256,1024]{1,0:S(5)}``)."""
+    m = _ARRAY.search(shape)
+    if m is None:
+        return 0
+    dims = [int(d) for d in m.group(2).split(",") if d]
+    return int(np.prod(dims, dtype=np.int64)) * _DTYPE_BYTES.get(m.group(1), 4)
+
+
+def _first_array(shape: str) -> str:
+    """The first element of a tuple type (a copy-start's destination)."""
+    return shape[1:].split("}", 1)[0] if shape.startswith("(") else shape
+
+
+def host_copies(instructions: list[Instruction]) -> list[HostCopy]:
+    """Every transfer into host memory, with the compute scheduled while it runs."""
+    by_name = {i.name: i for i in instructions}
+    position = {i.name: n for n, i in enumerate(instructions)}
+    done_of = {i.operands[0]: i for i in instructions if i.opcode == "copy-done" and i.operands}
+    copies = []
+    for n, ins in enumerate(instructions):
+        if ins.opcode == "copy-start" and HOST_SPACE in _first_array(ins.shape):
+            done = done_of.get(ins.name)
+            end = position[done.name] if done is not None else len(instructions)
+            between = sum(i.opcode in COMPUTE_OPCODES for i in instructions[n + 1:end])
+            queue = _QUEUE.search(ins.attributes)
+            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), True,
+                                   queue.group(1) if queue else "", between))
+        elif ins.opcode == "copy" and HOST_SPACE in ins.shape:
+            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0))
+    return copies
+
+
+def device_copies(instructions: list[Instruction]) -> list[DeviceCopy]:
+    """Copies of whole arguments within device memory: XLA keeps a donated input alive
+    this way when something still reads it after the output that reuses its buffer."""
+    by_name = {i.name: i for i in instructions}
+    out = []
+    for ins in instructions:
+        if ins.opcode in ("copy", "copy-start") and HOST_SPACE not in _first_array(ins.shape) and ins.operands:
+            src = by_name.get(ins.operands[0])
+            if src is not None and src.opcode == "parameter" and "S(" not in _first_array(ins.shape):
+                out.append(DeviceCopy(src.op_name or src.name, array_bytes(ins.shape)))
+    return out
+
+
+def source_leaf(ins: Instruction, by_name: dict[str, Instruction], depth: int = 8) -> str:
+    """The argument a copy reads (through slices, bitcasts and fusions of it), named by
+    its path in the step's arguments; else the operation that produced the value."""
+    current = ins
+    for _ in range(depth):
+        if not current.operands:
+            break
+        src = by_name.get(current.operands[0])
+        if src is None:
+            break
+        if src.opcode == "parameter":
+            return src.op_name or src.name
+        current = src
+    return current.op_name or current.name

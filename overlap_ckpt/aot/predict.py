@@ -1,0 +1,113 @@
+"""Predicted stall per checkpoint and ETTR on a target, from the compiled window programs.
+
+Assumptions (printed with every prediction):
+
+* step time ``T = max(flops / (peak * MFU), bytes_accessed / HBM bandwidth)``: the
+  compiled plain step's cost analysis (per device) against the target's peak rate at an
+  assumed model-FLOPs utilisation ``MFU`` and its HBM bandwidth; where the backend gives
+  no cost analysis (XLA:GPU compile-only), the flops are the caller's (e.g. the standard
+  transformer estimate) and the HBM term is left out;
+* each phase's host copies (their bytes read from the compiled program) run at the host
+  link's bandwidth; those the schedule overlaps with compute hide under ``f * T`` of the
+  step (``f``: overlappable fraction), those it serializes stall for their whole transfer:
+  ``stall_j = serialized_j / link + max(0, overlapped_j / link - f * T)``; the ideal
+  (every copy overlapped) is reported beside it;
+* Orbax async blocks on a device-to-host copy of the whole state: ``stall = S / link``;
+* host replay and persist run in the background and finish before the next checkpoint
+  (not counted), so ``ETTR = N*T / (N*T + stall)``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .. import autok
+from .targets import Target
+from .window import WindowReport
+
+MFU = 0.5  # assumed model-FLOPs utilisation of the plain step
+OVERLAPPABLE_FRACTION = 0.9  # costmodel.TrainingProfile's default for matmul-bound steps
+BACKGROUND_BYTES_PER_S = 1e15  # "persist is not the bottleneck" (see the module docstring)
+
+
+@dataclasses.dataclass(frozen=True)
+class StepCost:
+    """The plain step on the target, per device."""
+
+    flops: float
+    hbm_bytes: float | None
+    step_time_s: float
+    flops_source: str
+
+
+def step_cost(report: WindowReport, flops_hint: float | None = None, mfu: float = MFU) -> StepCost:
+    """Predicted step time of the plain step: its cost analysis where the backend gives
+    one, else ``flops_hint`` (per device)."""
+    target = report.target
+    flops, source = report.plain.flops, "compiled cost analysis"
+    if not flops:
+        if flops_hint is None:
+            raise ValueError(f"{target.name}'s compiler gives no cost analysis: pass flops_hint "
+                             "(per-device flops of one step)")
+        flops, source = flops_hint, "caller's estimate (no cost analysis from this compiler)"
+    hbm = report.plain.bytes_accessed if report.plain.flops else None
+    t = flops / (target.peak_flops * mfu)
+    if hbm:
+        t = max(t, hbm / target.hbm_bytes_per_s)
+    return StepCost(flops, hbm, t, source)
+
+
+def copy_bytes(report: WindowReport, phase: int) -> int:
+    """Bytes phase ``phase`` moves to the host, per device (its outputs in host memory)."""
+    return report.phases[phase].memory.host_output
+
+
+def window_stall_s(report: WindowReport, cost: StepCost, f: float = OVERLAPPABLE_FRACTION,
+                   *, as_scheduled: bool = True) -> float:
+    """Stall of one checkpoint window. ``as_scheduled``: a copy the compiled schedule
+    serializes (no compute between its start and done) stalls for its whole transfer and
+    only the overlapped copies hide under ``f * T``; otherwise every copy may hide (the
+    model's ideal, what a schedule that overlaps every copy would give)."""
+    link = report.target.host_link_bytes_per_s
+    total = 0.0
+    for j, program in enumerate(report.phases):
+        serialized = sum(c.nbytes for c in program.host_copies if not c.overlapped) if as_scheduled else 0
+        hidden = copy_bytes(report, j) - serialized
+        total += serialized / link + max(0.0, hidden / link - f * cost.step_time_s)
+    return total
+
+
+def state_bytes_per_device(report: WindowReport) -> float:
+    """Params and optimizer state on one device (this process's blocks over its devices)."""
+    return report.plan.state_bytes / len(report.target.devices)
+
+
+def grad_bytes_per_device(report: WindowReport) -> float:
+    return report.plan.grad_bytes / len(report.target.devices)
+
+
+def orbax_async_stall_s(report: WindowReport) -> float:
+    return state_bytes_per_device(report) / report.target.host_link_bytes_per_s
+
+
+def ettr(step_time_s: float, stall_s: float, interval_steps: int) -> float:
+    useful = interval_steps * step_time_s
+    return useful / (useful + stall_s)
+
+
+def auto_k(report: WindowReport, cost: StepCost, interval_steps: int) -> int:
+    """What ``window="auto"`` chooses on the target: the same rule as on a device
+    (:func:`overlap_ckpt.autok.choose_window`), with the predicted step time."""
+    return autok.choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
+                               state_bytes_per_device(report), grad_bytes_per_device(report),
+                               BACKGROUND_BYTES_PER_S, interval_steps)
+
+
+def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVERLAPPABLE_FRACTION) -> list[str]:
+    return [target.sources,
+            f"step time {cost.step_time_s * 1e3:.3g} ms = max(flops / (peak x MFU {mfu}), bytes / HBM); "
+            f"flops {cost.flops:.3g} per device from the {cost.flops_source}"
+            + (f", {cost.hbm_bytes:.3g} bytes accessed" if cost.hbm_bytes else ""),
+            f"window copies hide under {f:.0%} of a step; the excess stalls it",
+            "Orbax async: a blocking device-to-host copy of the whole state at the host link's bandwidth",
+            "host replay and persist finish in the background before the next checkpoint (not counted)"]

@@ -1,0 +1,122 @@
+"""Compile-only targets: the devices XLA compiles for, and the numbers the cost model uses.
+
+Why compile-only: the library's point is the accelerator path, and a CPU machine can
+compile for a TPU slice (libtpu) or an H100 (the CUDA PJRT plugin) with
+``jax.experimental.topologies`` and read what the hardware would run. A :class:`Target`
+holds those devices and the bandwidths and peak rate the stall prediction needs, with
+where each number comes from (printed in every report).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+from typing import Any
+
+import jax
+import numpy as np
+
+from . import gpu_specs
+
+GB = 1e9
+INSTALL_HINT = 'pip install "overlap_ckpt[aot]"'
+
+
+class TargetError(RuntimeError):
+    """A target cannot be built here (an unknown name, a missing plugin)."""
+
+
+@dataclasses.dataclass(frozen=True)
+class Target:
+    """Devices to compile for and the per-device numbers of the hardware they stand for."""
+
+    name: str
+    platform: str  # "cpu", "gpu", "tpu"
+    devices: tuple[Any, ...]
+    hbm_bytes_per_s: float
+    host_link_bytes_per_s: float  # device -> host, per device
+    peak_flops: float  # dense bf16 (f32 on the CPU), per device
+    device_memory_bytes: float
+    sources: str  # where the numbers come from, for reports
+
+    def mesh(self, axis: str = "fsdp") -> jax.sharding.Mesh:
+        """All the target's devices on one axis (the FSDP layout the reports use)."""
+        return jax.sharding.Mesh(np.array(self.devices), (axis,))
+
+
+# Published per-chip figures (Google Cloud TPU system architecture pages): bf16 peak,
+# HBM bandwidth and size. The host link of a TPU chip is not published; the value is an
+# assumption (PCIe Gen4 x16, ~25 GB/s effective per chip), override it with host_gbps=.
+_TPU = {
+    "v4": (275e12, 1228 * GB, 32 * 2**30),
+    "v5e": (197e12, 819 * GB, 16 * 2**30),
+    "v5p": (459e12, 2765 * GB, 95 * 2**30),
+    "v6e": (918e12, 1640 * GB, 32 * 2**30),
+}
+TPU_HOST_LINK_BYTES_PER_S = 25 * GB
+
+
+def get_target(name: str, *, host_gbps: float | None = None) -> Target:
+    """``"cpu"``, ``"h100"`` or a TPU topology such as ``"v5e:2x2"`` / ``"v6e:2x4"``."""
+    if name == "cpu":
+        return _cpu_target(host_gbps)
+    if name == "h100":
+        return _h100_target(host_gbps)
+    generation = name.split(":")[0]
+    if generation in _TPU and ":" in name:
+        return _tpu_target(name, generation, host_gbps)
+    raise TargetError(f"unknown target {name!r}: use cpu, h100 or a TPU topology "
+                      f"<generation>:<shape> with generation in {sorted(_TPU)} (e.g. v5e:2x2)")
+
+
+def _tpu_target(name: str, generation: str, host_gbps: float | None) -> Target:
+    from jax.experimental import topologies
+
+    try:
+        import libtpu  # noqa: F401 - only to say what is missing
+    except ImportError:
+        raise TargetError(f"target {name!r} needs libtpu to compile for TPUs: {INSTALL_HINT}") from None
+    # Compiling takes no chip; other jax processes on this machine may hold libtpu's lock.
+    os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+    try:
+        topology = topologies.get_topology_desc(platform="tpu", topology_name=name)
+    except Exception as e:  # noqa: BLE001 - libtpu's errors name the bad topology
+        raise TargetError(f"libtpu cannot describe TPU topology {name!r}: {e}") from e
+    flops, hbm, memory = _TPU[generation]
+    host = host_gbps * GB if host_gbps else TPU_HOST_LINK_BYTES_PER_S
+    return Target(name, "tpu", tuple(topology.devices), hbm, host, flops, memory,
+                  f"TPU {generation}: bf16 peak {flops / 1e12:.0f} TFLOP/s, HBM {hbm / GB:.0f} GB/s "
+                  f"(Cloud TPU docs); host link {host / GB:.0f} GB/s per chip "
+                  f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
+
+
+def _h100_target(host_gbps: float | None) -> Target:
+    from jax.experimental import topologies
+
+    try:
+        topology = topologies.get_topology_desc(topology_name="", platform="cuda", topology="1x1x1",
+                                                target_config=gpu_specs.H100_SXM_TARGET_CONFIG)
+    except NotImplementedError:
+        raise TargetError(
+            "target 'h100' needs jax's CUDA plugin registered without a GPU: install it with "
+            f"{INSTALL_HINT} and start Python with JAX_PLATFORMS=cpu (the plugin then skips its "
+            "CUDA runtime check; compiling needs no GPU)") from None
+    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
+    return Target("h100", "gpu", tuple(topology.devices), gpu_specs.H100_HBM_BYTES_PER_S, host,
+                  gpu_specs.H100_BF16_FLOPS, gpu_specs.H100_DEVICE_MEMORY_BYTES,
+                  f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s, "
+                  f"bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
+                  f"{host / GB:.1f} GB/s ({'given' if host_gbps else 'pcie_bandwidth of the spec'})")
+
+
+def _cpu_target(host_gbps: float | None) -> Target:
+    """This machine's CPU devices, with measured numbers: the one target where the
+    prediction can be checked against a run (:mod:`overlap_ckpt.aot.calibrate`)."""
+    from .. import costmodel
+    from .calibrate import measure_cpu_flops
+
+    host = host_gbps * GB if host_gbps else costmodel.measure_d2h_bandwidth(jax.devices("cpu")[0])
+    flops = measure_cpu_flops()
+    return Target("cpu", "cpu", tuple(jax.devices("cpu")), host, host, flops, float("inf"),
+                  f"this CPU, measured: f32 matmul {flops / 1e9:.1f} GFLOP/s, memcpy {host / GB:.1f} GB/s "
+                  "(device and host memory are the same RAM)")

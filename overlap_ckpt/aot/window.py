@@ -1,0 +1,100 @@
+"""Compile a train step's plain program and every window phase for a target, and check them.
+
+Why: the claims the library makes about the accelerator path (the window copies are
+asynchronous, overlap the step's compute, cost no device memory beyond the outbox, and
+outside windows the step is the user's own program) are properties of the compiled
+programs, so they are checked on the compiled programs, for the target, without it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+import jax
+
+from ..core.capture import WindowTicket
+from ..core.plan import CapturePlan
+from .programs import ProgramReport, compile_program
+from .targets import Target
+
+MAX_SERIALIZED_BYTES = 1 << 20  # a blocking copy above this is a stall worth failing on
+
+LowerStep = Callable[[WindowTicket | None], jax.stages.Lowered]
+
+
+class AotCheckError(AssertionError):
+    """A window program would stall or grow device memory on the target."""
+
+
+@dataclasses.dataclass(frozen=True)
+class WindowReport:
+    """The plain step and the K window phases of one train step, compiled for a target."""
+
+    target: Target
+    plan: CapturePlan
+    plain: ProgramReport
+    phases: tuple[ProgramReport, ...]
+    reference: ProgramReport | None  # the user's step compiled without overlap_ckpt
+
+    @property
+    def plain_is_users_program(self) -> bool | None:
+        return None if self.reference is None else self.plain.fingerprint == self.reference.fingerprint
+
+    def violations(self, max_serialized_bytes: int = MAX_SERIALIZED_BYTES) -> list[str]:
+        """What would hurt on the target, one sentence each naming the phase and the leaf."""
+        found = []
+        if self.plain_is_users_program is False:
+            found.append("the plain step is not the user's program: its optimized HLO differs from the "
+                         "step compiled without overlap_ckpt")
+        for phase, program in enumerate(self.phases):
+            found += _phase_violations(phase, program, self.plain, self.target, max_serialized_bytes)
+        return found
+
+    def check(self, max_serialized_bytes: int = MAX_SERIALIZED_BYTES) -> None:
+        """Raise :class:`AotCheckError` listing every violation (nothing when clean)."""
+        found = self.violations(max_serialized_bytes)
+        if found:
+            raise AotCheckError(f"window programs for {self.target.name} fail the check:\n  - "
+                                + "\n  - ".join(found))
+
+
+def _phase_violations(phase: int, program: ProgramReport, plain: ProgramReport, target: Target,
+                      max_serialized_bytes: int) -> list[str]:
+    found = []
+    if target.platform != "cpu":  # the CPU's host memory is its device memory: no transfers
+        if program.memory.host_output == 0:
+            found.append(f"phase {phase}: the outbox stays in device memory (no output in host memory)")
+        for copy in program.host_copies:
+            if not copy.overlapped and copy.nbytes > max_serialized_bytes:
+                found.append(f"phase {phase}: the copy of {copy.leaf} ({copy.nbytes / 2**20:.1f} MiB) is "
+                             "serialized: no compute runs while it transfers")
+    extra = program.memory.peak - plain.memory.peak
+    if extra > program.memory.host_output:
+        plain_copies = {c.leaf for c in plain.device_copies}
+        new = [c for c in program.device_copies if c.leaf not in plain_copies]
+        named = ", ".join(f"{c.leaf} ({c.nbytes / 2**20:.1f} MiB)" for c in new) or "temporaries only"
+        found.append(f"phase {phase}: {extra / 2**20:.1f} MiB more device memory than the plain step, beyond "
+                     f"its {program.memory.host_output / 2**20:.1f} MiB outbox; device copies of: {named}")
+    return found
+
+
+def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
+                   reference: jax.stages.Lowered | None = None) -> WindowReport:
+    """Compile ``lower(None)`` (the plain step) and ``lower(ticket)`` for every phase of
+    ``plan``, and ``reference`` (the user's step without overlap_ckpt) if given.
+
+    ``lower(ticket)`` returns the step lowered for ``target``'s devices with the ticket
+    in force, e.g. ``lambda t: step.lower(state_with(t), batch)`` for the functional core
+    (``capture_update(tx, ticket, ...)`` inside the step) with abstract arguments
+    (``jax.ShapeDtypeStruct`` with shardings on ``target.devices``): nothing is allocated.
+    """
+    plain, _ = compile_program("plain step", lower(None))
+    ref = compile_program("user step", reference)[0] if reference is not None else None
+    return WindowReport(target, plan, plain, compile_phases(lower, plan), ref)
+
+
+def compile_phases(lower: LowerStep, plan: CapturePlan) -> tuple[ProgramReport, ...]:
+    """The K window phases of ``plan`` (to set beside an already compiled plain step)."""
+    return tuple(compile_program(f"phase {j} of {plan.k}", lower(WindowTicket(plan, j)))[0]
+                 for j in range(plan.k))
