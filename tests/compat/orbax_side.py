@@ -13,7 +13,7 @@ it pickles what Orbax gave back, and the test (in the main environment) compares
 
 ``python orbax_side.py write --tree TREE.pkl --root ROOT``
     writes ``TREE.pkl`` at step 1 with ``CheckpointManager`` once per :data:`WRITERS` entry,
-    each under ``ROOT/<name>``.
+    each under ``ROOT/<name>``, and with the v1 API's ``save_pytree`` under ``ROOT/v1``.
 
 Trees are nested dicts/lists of numpy arrays (``None`` for empty nodes), pickled.
 """
@@ -100,6 +100,9 @@ def write(root: str, tree) -> None:
         with ocp.CheckpointManager(directory, item_handlers=handlers if item is None else None) as mngr:
             mngr.save(1, args=args if item is None else ocp.args.Composite(**{item: args}))
             mngr.wait_until_finished()
+    v1 = v1_api()
+    if v1 is not None:
+        v1.save_pytree(f"{root}/v1/1", jtree)
 
 
 def main(argv=None) -> int:
