@@ -102,7 +102,8 @@ class OrbaxEnv:
 
     def _build(self, venv: pathlib.Path) -> None:
         for stale in venv.parent.glob(f"{self.name}-*"):  # older pins of this environment
-            shutil.rmtree(stale, ignore_errors=True)
+            if re.fullmatch(rf"{re.escape(self.name)}-[0-9a-f]{{12}}", stale.name):
+                shutil.rmtree(stale, ignore_errors=True)
         venv.parent.mkdir(parents=True, exist_ok=True)
         requirements = [f"{package}=={version}" for package, version in self.pins]
         commands = [[sys.executable, "-m", "venv", "--system-site-packages", str(venv)],
