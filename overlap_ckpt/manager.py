@@ -30,18 +30,17 @@ from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
-from .core.window_context import current_ticket, hand_to_next_step, window_ticket
+from .core.window_context import hand_to_next_step, window_ticket
 from .doors.abstract import abstract_arguments
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
 from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
+from .host_budget import BudgetSummary, Footprint, HostBudget
 from .save_tree import Arrange, SaveTree
 from .tiers import LocalTier, TieredStore
 
 log = logging.getLogger(__name__)
 
-DEFAULT_HOST_BUDGET = 1.25  # x the state's bytes: one host copy at a time, plus transients
-MIN_HOST_HEADROOM = 16 << 20  # small states: a second copy costs nothing worth skipping for
 _KEEP_TRACEBACKS = 16  # failures older than this keep their message, not their frames
 
 
@@ -61,10 +60,15 @@ class CheckpointManager:
       item_name: the Orbax item the tree is saved as (Orbax's default is ``"default"``).
       on_error: ``"raise"`` (default): a failed background checkpoint raises
         :class:`CheckpointError` from the next :meth:`step`/:meth:`save`; ``"log"``: logged only.
-      max_host_bytes: host memory for checkpoint copies (default 1.25x the state, at least
-        the state + 16 MiB). A window that would need more (the previous checkpoint is still
-        being written) is skipped and listed in :meth:`skipped_steps`; training never waits.
-        A store opened with ``on_backpressure="block"`` waits instead (on its own thread).
+      max_host_bytes: the host memory checkpoints may hold: host copies, replay and writer
+        buffers, copies of earlier checkpoints still in flight (default 1.25x the state, or
+        what one checkpoint needs when that is more). Less than one checkpoint needs is
+        refused at :meth:`prepare` with the minimum. See :mod:`overlap_ckpt.host_budget`.
+      on_host_budget: when a window would exceed ``max_host_bytes`` because earlier
+        checkpoints are still being written: ``"wait"`` (default; the step that starts the
+        window waits for them, as Orbax's ``save`` does, and no checkpoint is lost) or
+        ``"skip"`` (the checkpoint is not taken; :meth:`skipped_steps`). Each one is logged
+        once and counted in :meth:`summary`.
       store: an already-open :class:`CheckpointStore` instead of opening ``directory``.
       persist_bytes_per_s: storage bandwidth assumed by ``window="auto"``.
       local: a :class:`overlap_ckpt.tiers.LocalTier`: also checkpoint every ``local.every``
@@ -75,7 +79,8 @@ class CheckpointManager:
                  max_to_keep: int | None = None, keep_every_n_steps: int | None = None,
                  window: int | str = "auto", save_tree: Arrange | None = None, item_name: str = "default",
                  on_error: str = "raise", max_host_bytes: int | None = None, store: Any = None,
-                 persist_bytes_per_s: float = 1e9, local: LocalTier | None = None):
+                 persist_bytes_per_s: float = 1e9, local: LocalTier | None = None,
+                 on_host_budget: str = "wait"):
         if save_interval_steps is not None and (isinstance(save_interval_steps, bool) or not isinstance(
                 save_interval_steps, int) or save_interval_steps < 1):
             raise ConfigError(f"save_interval_steps must be an int >= 1 (or None to only restore), "
@@ -84,8 +89,7 @@ class CheckpointManager:
             raise ConfigError(f"window must be 'auto' or an int >= 1, got {window!r}")
         if on_error not in ("raise", "log"):
             raise ConfigError(f"on_error must be 'raise' or 'log', got {on_error!r}")
-        if max_host_bytes is not None and (not isinstance(max_host_bytes, int) or max_host_bytes < 1):
-            raise ConfigError(f"max_host_bytes must be a positive int, got {max_host_bytes!r}")
+        self._budget = HostBudget(max_host_bytes, on_host_budget)
         if local is not None:
             if not isinstance(local, LocalTier):
                 raise ConfigError(f"local must be an overlap_ckpt.LocalTier, got {type(local).__name__}")
@@ -119,7 +123,6 @@ class CheckpointManager:
         self._sent: WindowTicket | None = None  # the ticket given to the next step
         self._extras: list | None = None  # extras copied before the next step (doors that need it)
         self._failures: list[CheckpointFailure] = []
-        self._skipped: collections.deque[int] = collections.deque(maxlen=1000)
         self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
         self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
         self._stepped = threading.Event()  # set once step() has seen a trained state
@@ -153,12 +156,13 @@ class CheckpointManager:
         for saved in self.store.all_steps():
             engine.windows.exclude(int(saved))
         engine.plan_for(parts.params, parts.opt_state, parts.extras)
+        self._budget.bind(Footprint(*engine.footprint()))  # refuses a budget below one checkpoint
         self._next_step = step
         if self._auto is not None:
             self._auto.restart()
-        self._sent = None
-        if current_ticket() is not None:  # left by a manager that was not closed
-            hand_to_next_step(None)
+        if self._sent is not None:  # prepared again in the middle of a window
+            hand_to_next_step(self, None)
+            self._sent = None
         return self._attach(state, step)
 
     def step(self, state: Any) -> Any:
@@ -186,6 +190,7 @@ class CheckpointManager:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
         sent, t = self._sent, self._next_step
+        self.engine.release_idle_buffers()  # a persisted copy's memory goes back to the OS
         if sent is not None:
             outbox, state = self._door.take_outbox(state)
             self._receive(t, sent, outbox)
@@ -318,8 +323,15 @@ class CheckpointManager:
 
     def skipped_steps(self) -> list[int]:
         """Checkpoint steps not taken because host memory or storage was still busy with an
-        earlier one (``max_host_bytes``, the store's back-pressure)."""
-        return sorted(set(self._skipped) | set(getattr(self.store, "dropped_steps", [])))
+        earlier one (``max_host_bytes`` with ``on_host_budget="skip"``, the store's back-pressure)."""
+        return sorted(set(self._budget.summary().skipped_steps) | set(getattr(self.store, "dropped_steps", [])))
+
+    def summary(self) -> BudgetSummary:
+        """Checkpoints started, delayed and skipped for host memory so far (``print`` it);
+        steps the store dropped count as skipped."""
+        summary = self._budget.summary()
+        summary.skipped_steps = self.skipped_steps()
+        return summary
 
     def wait_until_finished(self) -> None:
         """Block until every captured window is replayed and every checkpoint persisted;
@@ -336,7 +348,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
-            hand_to_next_step(None)  # steps after the manager is gone are plain steps
+            hand_to_next_step(self, None)  # steps after the manager is gone are plain steps
             self._stepped.set()  # a compile_ahead still waiting: let it finish or see it is moot
             for thread in self._compiling:  # a process must not exit in the middle of a compile
                 thread.join()
@@ -403,7 +415,7 @@ class CheckpointManager:
         phase = engine.phase(step)
         if phase is None:
             if self._sent is not None:
-                hand_to_next_step(None)
+                hand_to_next_step(self, None)
                 self._sent = None
             return state
         if phase == 0:
@@ -417,27 +429,27 @@ class CheckpointManager:
         if ticket.last and ticket.capture and not self._door.extras_in_step \
                 and engine.windows.captures(step, ticket.phase):
             self._extras = capture_before_step(ticket, self._door.parts(state).extras)
-        hand_to_next_step(ticket)
+        hand_to_next_step(self, ticket)
         return state
 
     def _check_host_memory(self, step: int) -> None:
-        """Room for one more host copy of the state? Otherwise skip the window of ``step``'s
-        version: the copy the previous checkpoint is being written from is still needed."""
-        plan = self.engine.plan
-        self.engine.release_idle_buffers()
-        if getattr(self.store, "on_backpressure", None) == "block":
-            return  # the store was asked to wait rather than drop: its thread waits
-        budget = self.max_host_bytes or max(int(DEFAULT_HOST_BUDGET * plan.state_bytes),
-                                            plan.state_bytes + MIN_HOST_HEADROOM)
-        held = self.store.held_bytes()
-        if held + plan.state_bytes <= budget:
-            return
-        version = self.engine.schedule.version(step, 0)
-        log.warning("checkpoint of step %d skipped: the previous checkpoint (%d MB of host memory) is "
-                    "still being written and max_host_bytes=%d allows one copy; a checkpoint interval "
-                    "shorter than the write time keeps skipping.", version, held >> 20, budget)
-        self._skipped.append(version)
-        self.engine.windows.skip(version)
+        """Admit the window of ``step``'s version under the host budget: wait for earlier
+        checkpoints or skip it (:class:`HostBudget`)."""
+        engine = self.engine
+        self._budget.bind(Footprint(*engine.footprint()))  # the plan may have changed
+
+        def held() -> int:
+            return self.store.held_bytes() + engine.held_bytes()
+
+        def wait() -> None:
+            engine.flush()
+            self.store.flush()
+            engine.release_idle_buffers()
+            engine.flush()
+
+        version = engine.schedule.version(step, 0)
+        if not self._budget.admit(version, held, wait):
+            engine.windows.skip(version)
 
     def _receive(self, t: int, sent: WindowTicket, outbox: Any) -> None:
         if outbox is None:

@@ -7,47 +7,69 @@ in the train state it was visible to everything that walks the state: ``nnx.stat
 JAX *user context* (``jax.make_user_context``): a thread-local value that is part of every
 ``jit``/``pmap`` cache key and of the trace context, and of nothing the user can see.
 
-The manager hands the next step its ticket after each step (:func:`hand_to_next_step`),
-on the training thread, and takes it back (``None``) after the window. While a ticket is
-out, other jitted functions the loop calls on that thread are keyed on it too: each
-compiles at most once per window phase, then hits the cache in every later window.
-Outside windows the value is ``None``, the key of the user's own program.
+The value is the tuple of tickets handed out on this thread, one per manager in a window:
+two managers (a GAN's two optimizers) can be in windows at once, and each update picks the
+ticket planned for its own optax transformation (:func:`ticket_for`). A manager hands the
+next step its ticket after each step (:func:`hand_to_next_step`), on the training thread,
+and takes it back (``None``) after the window. While a ticket is out, other jitted
+functions the loop calls on that thread are keyed on it too: each compiles at most once
+per window phase, then hits the cache in every later window. Outside windows the value is
+``()``, the key of the user's own program.
 
-What reads the ticket: ``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` of
-:mod:`overlap_ckpt.doors`, at trace time, through :func:`current_ticket`.
+What reads the tickets: ``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` of
+:mod:`overlap_ckpt.doors`, at trace time.
 """
 
 from __future__ import annotations
 
 import contextlib
-from typing import Iterator
+import threading
+import weakref
+from typing import Any, Iterator
 
 import jax
 
 from .capture import WindowTicket
 
-_TICKET = jax.make_user_context(default_value=None)
+_TICKETS = jax.make_user_context(default_value=())
+_HANDED = threading.local()  # .by_owner: WeakKeyDictionary {manager: its ticket}, this thread's
 
 
-def current_ticket() -> WindowTicket | None:
-    """The window ticket of the step being traced on this thread (None: a plain step)."""
-    return _TICKET.value
+def window_tickets() -> tuple[WindowTicket, ...]:
+    """The window tickets of the step being traced on this thread (empty: a plain step)."""
+    return _TICKETS.value
 
 
-def hand_to_next_step(ticket: WindowTicket | None) -> None:
-    """Set the ticket the next step traced or dispatched on this thread runs with, until
-    the next call.
+def ticket_for(tx: Any) -> WindowTicket | None:
+    """The ticket planned for the optax transformation ``tx``, if one is handed out."""
+    for ticket in _TICKETS.value:
+        if ticket.plan.tx is tx:
+            return ticket
+    return None
+
+
+def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:
+    """Set ``owner``'s ticket for the steps traced or dispatched next on this thread, until
+    its next call (``None``: ``owner`` is not in a window).
 
     Not a ``with`` block: the manager sets it at the end of ``mngr.step`` and the user's
     own code calls the jitted step afterwards. Entering a fresh context sets the
-    thread-local value without keeping a stack of earlier values to unwind.
+    thread-local value without keeping a stack of earlier values to unwind. Owners are held
+    weakly: a manager dropped without ``close()`` leaves no ticket behind for long.
     """
-    _TICKET(ticket).__enter__()
+    by_owner = getattr(_HANDED, "by_owner", None)
+    if by_owner is None:
+        by_owner = _HANDED.by_owner = weakref.WeakKeyDictionary()
+    if ticket is None:
+        by_owner.pop(owner, None)
+    else:
+        by_owner[owner] = ticket
+    _TICKETS(tuple(by_owner.values())).__enter__()
 
 
 @contextlib.contextmanager
 def window_ticket(ticket: WindowTicket | None) -> Iterator[None]:
     """Trace, lower or compile a step as the window variant of ``ticket`` inside this block
     (ahead-of-time compiles: ``with window_ticket(t): train_step.lower(state, batch).compile()``)."""
-    with _TICKET(ticket):
+    with _TICKETS(() if ticket is None else (ticket,)):
         yield

@@ -40,7 +40,7 @@ from flax.training import train_state
 
 from ..core import backend
 from ..core.capture import Outbox, capture_update
-from ..core.window_context import current_ticket
+from ..core.window_context import ticket_for
 from ..hostarray import HostArray
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
@@ -94,8 +94,8 @@ class TrainState(train_state.TrainState, kw_only=True):
         """
         if self.ckpt_outbox is not None:
             refuse_stale_outbox("the TrainState given to apply_gradients")
-        ticket = current_ticket()
-        if ticket is None or ticket.plan.tx is not self.tx:
+        ticket = ticket_for(self.tx)
+        if ticket is None:
             return super().apply_gradients(grads=grads, **kwargs)
         new_params, new_opt_state, outbox = capture_update(
             self.tx, ticket, self.params, self.opt_state, grads, state_extras(self), step=self.step)

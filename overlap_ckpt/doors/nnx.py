@@ -50,7 +50,7 @@ from flax import nnx
 
 from ..core import backend
 from ..core.capture import Outbox, capture_update
-from ..core.window_context import current_ticket
+from ..core.window_context import ticket_for
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
 _OUTBOX = "zz_ckpt_outbox"
@@ -126,8 +126,8 @@ class Optimizer(nnx.Optimizer):
     def update(self, model: nnx.Module, grads, /, **kwargs):
         if _OUTBOX in vars(self):
             refuse_stale_outbox("the optimizer given to update")
-        ticket = current_ticket()
-        if ticket is None or ticket.plan.tx is not self.tx:
+        ticket = ticket_for(self.tx)
+        if ticket is None:
             return super().update(model, grads, **kwargs)
         if kwargs:
             raise NotImplementedError(

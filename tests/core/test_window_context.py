@@ -15,7 +15,11 @@ import jax.numpy as jnp
 import optax
 
 import overlap_ckpt as oc
-from overlap_ckpt.core.window_context import current_ticket, hand_to_next_step, window_ticket
+from overlap_ckpt.core.window_context import hand_to_next_step, window_ticket, window_tickets
+
+
+class Owner:  # a manager, as far as the context is concerned
+    pass
 
 
 def test_the_ticket_is_thread_local_and_keys_jit():
@@ -23,26 +27,27 @@ def test_the_ticket_is_thread_local_and_keys_jit():
 
     @jax.jit
     def f(x):
-        traced.append(current_ticket())
+        traced.append(window_tickets())
         return x + 1
 
+    owner = Owner()
     f(1.0)
-    hand_to_next_step("phase-0")
+    hand_to_next_step(owner, "phase-0")
     try:
         seen = []
-        other = threading.Thread(target=lambda: seen.append(current_ticket()))
+        other = threading.Thread(target=lambda: seen.append(window_tickets()))
         other.start()
         other.join()
-        assert seen == [None]  # the engine's and the compile-ahead threads are not in the window
+        assert seen == [()]  # the engine's and the compile-ahead threads are not in the window
         f(1.0)
         f(1.0)
         with window_ticket("phase-1"):
             f(1.0)
-        assert current_ticket() == "phase-0"  # a with block restores what was handed out
+        assert window_tickets() == ("phase-0",)  # a with block restores what was handed out
     finally:
-        hand_to_next_step(None)
+        hand_to_next_step(owner, None)
     f(1.0)
-    assert traced == [None, "phase-0", "phase-1"]  # one trace per value, then cache hits
+    assert traced == [(), ("phase-0",), ("phase-1",)]  # one trace per value, then cache hits
 
 
 def test_other_jitted_functions_compile_once_per_phase_then_never_again(tmp_path):
@@ -58,7 +63,7 @@ def test_other_jitted_functions_compile_once_per_phase_then_never_again(tmp_path
 
     @jax.jit
     def evaluate(params):  # called on the loop's thread between steps, as eval/metrics code is
-        eval_traces.append(current_ticket())
+        eval_traces.append(window_tickets())
         return jnp.sum(params["w"])
 
     state = oc.TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
@@ -74,5 +79,48 @@ def test_other_jitted_functions_compile_once_per_phase_then_never_again(tmp_path
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8, 12]
     assert after_first_window == 3  # the plain program and one per window phase
-    assert len(eval_traces) == 3, [None if t is None else t.phase for t in eval_traces]
-    assert current_ticket() is None  # closing the manager leaves plain steps behind
+    assert len(eval_traces) == 3, [[t.phase for t in ts] for ts in eval_traces]
+    assert window_tickets() == ()  # closing the manager leaves plain steps behind
+
+
+def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
+    """A GAN-like loop: two states with their own optimizers, each with a manager, stepped in
+    one jitted function; their windows overlap. Each checkpoint equals its own state."""
+    import numpy as np
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+    def new(tx, scale):
+        params = {"w": jnp.full((4, 3), scale), "b": jnp.zeros(3)}
+        return oc.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    # Not donated: jit pairs a donated input with the first output of its shape, whatever its
+    # memory kind, and the first state's host copies come out before the second state.
+    @jax.jit
+    def train_step(gen, disc):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))
+        return gen.apply_gradients(grads=g(gen.params)), disc.apply_gradients(grads=g(disc.params))
+
+    with oc.CheckpointManager(tmp_path / "gen", save_interval_steps=4, window=2) as mg, \
+            oc.CheckpointManager(tmp_path / "disc", save_interval_steps=4, window=2) as md:
+        gen, disc = mg.prepare(new(optax.adam(1e-2), 0.1)), md.prepare(new(optax.sgd(1e-1, 0.9), -0.2))
+        snaps = {}
+        for t in range(9):
+            gen, disc = train_step(gen, disc)
+            gen, disc = mg.step(gen), md.step(disc)
+            if t + 1 in (4, 8):
+                snaps[t + 1] = {name: jax.tree.map(np.array, (s.params, s.opt_state))
+                                for name, s in (("gen", gen), ("disc", disc))}
+            if mg.next_window_phase == 0:
+                mg.wait_until_finished()
+                md.wait_until_finished()
+        for name, mngr in (("gen", mg), ("disc", md)):
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [4, 8], name
+            for step in (4, 8):
+                saved = mngr.restore(step)
+                want_params, want_opt = snaps[step][name]
+                for got, want in zip(jax.tree.leaves((saved["params"], saved["opt_state"])),
+                                     jax.tree.leaves((want_params, want_opt))):
+                    assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), \
+                        (name, step)
