@@ -232,13 +232,21 @@ class TieredStore:
         return best
 
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> tuple[Any, dict]:
-        """Read ``step`` (:meth:`newest_step` when None) from the local tier when this process
-        holds it there, else from the durable tier."""
+        """Read ``step`` (:meth:`newest_step` when None) from the local tier when every
+        process holds it there, else from the durable tier. Collective in a multi-process
+        job: each process reads the blocks it owned and jax's collectives place the
+        replicated ones (:mod:`overlap_ckpt.tier_restore`); that needs ``target``."""
         step = self.newest_step() if step is None else int(step)
-        if step in self.local_steps() and (target is not None or self.process_count == 1):
+        everywhere = step in set.intersection(*(set(v) for v in self._exchange(self.local_steps())))
+        if not everywhere or (target is None and self.process_count > 1):
+            return self.durable.restore(step, target, **kwargs)
+        if self.process_count == 1:
             tree, meta = self.local.restore(step, target, **kwargs)
-            return tree, {k: v for k, v in (meta or {}).items() if k != _TIER_KEY}
-        return self.durable.restore(step, target, **kwargs)
+        else:
+            from .tier_restore import owned_target, spread
+            tree, meta = self.local.restore(step, owned_target(target), **kwargs)
+            tree = spread(tree, target)
+        return tree, {k: v for k, v in (meta or {}).items() if k != _TIER_KEY}
 
     def check_not_foreign(self) -> None:
         self.durable.check_not_foreign()
@@ -272,7 +280,7 @@ class TieredStore:
     def __repr__(self) -> str:
         return f"TieredStore(local={self.local.directory!r} every {self.every}, durable={self.directory!r})"
 
-    def _exchange(self, mine: dict) -> list[dict]:
+    def _exchange(self, mine: Any) -> list[Any]:
         """Every process's ``mine``, by process index (through jax.distributed's key-value
         store; just ``[mine]`` in a single-process job)."""
         if self.process_count == 1:
