@@ -33,11 +33,25 @@ from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
 from mp_worker import FAULT_FIRED, INTERVAL, WINDOW, sharded_state, toy_loss, tx
 
+# Written by the armed process right before it dies. The survivor waits for it before
+# exiting: when the kill lands after the checkpoint (a long delay), a survivor that exits
+# first would take jax.distributed's service down and abort the armed process (SIGABRT).
+VICTIM_DIED = "victim_died"
+
+
+def wait_for_victim(args) -> None:
+    path = os.path.join(args.out, VICTIM_DIED)
+    for _ in range(int(args.timeout * 40)):
+        if os.path.exists(path):
+            return
+        threading.Event().wait(0.1)
+
 
 def arm_kill(args, trained: threading.Event) -> None:
     from overlap_ckpt.storage import set_fault_hook
 
     def die():
+        open(os.path.join(args.out, VICTIM_DIED), "w").close()
         print(FAULT_FIRED, args.kill_stage, args.kill_step, args.kill_delay, flush=True)
         os.kill(os.getpid(), signal.SIGKILL)
 
@@ -113,6 +127,8 @@ def run(args) -> None:
         np.savez(os.path.join(args.out, "refs.npz"), **refs)
     with open(os.path.join(args.out, f"result_{pid}.json"), "w") as f:
         json.dump(result, f)
+    if args.kill_pid >= 0:
+        wait_for_victim(args)
     print(f"WORKER-OK {pid}", flush=True)
 
 
