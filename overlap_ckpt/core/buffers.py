@@ -53,12 +53,19 @@ class LeafBlocks:
         return {key: self._adopted.get(key) if key in self._adopted else self[key]
                 for key in map(index_key, self.layout.blocks)}
 
-    def release_views(self) -> None:
+    def release_views(self) -> int:
+        """Drop the adopted views; returns their bytes."""
+        released = self.adopted_bytes
         self._adopted.clear()
+        return released
 
     @property
     def owned_bytes(self) -> int:
         return sum(b.nbytes for b in self._owned.values())
+
+    @property
+    def adopted_bytes(self) -> int:
+        return sum(b.nbytes for b in self._adopted.values())
 
 
 class HostBuffers:
@@ -73,14 +80,48 @@ class HostBuffers:
     def leaves(self):
         return (*self.params, *self.state, *self.extras)
 
-    def release_views(self) -> None:
-        """Drop adopted views (before reuse: the captured arrays may then be freed)."""
-        for leaf in self.leaves():
-            leaf.release_views()
+    def release_views(self) -> int:
+        """Drop adopted views (before reuse: the captured arrays may then be freed); returns
+        their bytes."""
+        return sum(leaf.release_views() for leaf in self.leaves())
 
     @property
     def nbytes(self) -> int:
         return sum(leaf.owned_bytes for leaf in self.leaves())
+
+    @property
+    def adopted_bytes(self) -> int:
+        return sum(leaf.adopted_bytes for leaf in self.leaves())
+
+    @property
+    def held_bytes(self) -> int:
+        """Host memory this copy keeps alive: its own blocks and the captures it adopted."""
+        return self.nbytes + self.adopted_bytes
+
+
+def trim_host_memory() -> None:
+    """Give freed heap memory back to the OS (glibc ``malloc_trim``; a no-op elsewhere).
+
+    Why: a captured host copy is allocated by XLA in pieces below glibc's mmap threshold,
+    so freeing it leaves the pages in malloc's arenas: measured on the 20M LM, RSS stayed
+    one state copy higher after every persisted checkpoint (1140 MiB -> 702 MiB after a
+    trim). Trimming right after a copy is released keeps host memory at the budget.
+    """
+    if _LIBC is not None:
+        _LIBC.malloc_trim(0)
+
+
+def _load_libc():
+    import ctypes
+    import ctypes.util
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+        return libc if hasattr(libc, "malloc_trim") else None
+    except OSError:
+        return None
+
+
+_LIBC = _load_libc()
 
 
 def host_array(blocks: LeafBlocks) -> HostArray:

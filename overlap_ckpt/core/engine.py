@@ -25,7 +25,7 @@ from typing import Any, Callable, Collection, Protocol
 import optax
 
 from ..errors import CheckpointFailure, InternalError, UnsupportedOptimizerError, WindowAborted, brief
-from .buffers import HostBuffers
+from .buffers import HostBuffers, trim_host_memory
 from . import backend
 from .capture import Outbox, WindowTicket
 from .plan import CapturePlan, make_plan
@@ -33,6 +33,10 @@ from .replay import ReplayPrograms, WindowReplay
 from .schedule import WindowSchedule, WindowTracker
 
 log = logging.getLogger(__name__)
+
+# What a sink holds besides the host copy while writing it: TensorStore references the
+# copy's buffers (measured: 7-8 MiB above the copy while persisting 240 MB).
+SINK_STAGING_BYTES = 16 << 20
 
 
 class Sink(Protocol):
@@ -68,7 +72,8 @@ class BufferPool:
     Reuse matters: copying into freshly allocated memory page-faults on every page, which
     on a small host runs several times slower than copying into memory already touched.
     A lent copy may also hold views of captured arrays (see :class:`LeafBlocks`); they are
-    released as soon as the sink is done, so host memory holds one copy between windows.
+    released as soon as the sink is done (:meth:`release_idle`) and their memory is given
+    back to the OS, so between windows the host holds the reused blocks and nothing else.
     """
 
     def __init__(self, sink: Sink, max_free: int = 1):
@@ -76,6 +81,7 @@ class BufferPool:
         self.max_free = max_free
         self._lock = threading.Lock()
         self._lent: list[tuple[int, HostBuffers]] = []  # (step, buffers) handed to the sink
+        self.holds_views = False  # some lent copy still references captured arrays
 
     def acquire(self, plan: CapturePlan) -> HostBuffers:
         busy = set(self.sink.busy_steps())
@@ -92,14 +98,21 @@ class BufferPool:
         with self._lock:
             self._lent.append((step, buffers))
             del self._lent[:-self.max_free]
+            self.holds_views = True
 
-    def release_idle(self) -> None:
-        """Drop the captured arrays that copies the sink is done with still reference."""
+    def release_idle(self) -> int:
+        """Drop the captured arrays that copies the sink is done with still reference, and
+        return their memory to the OS; returns the bytes dropped."""
         busy = set(self.sink.busy_steps())
+        released = 0
         with self._lock:
             for step, buffers in self._lent:
                 if step not in busy:
-                    buffers.release_views()
+                    released += buffers.release_views()
+            self.holds_views = any(b.adopted_bytes for _, b in self._lent)
+        if released:
+            trim_host_memory()
+        return released
 
 
 Combine = Callable[[Any, Any, Any], Any]
@@ -145,6 +158,10 @@ class OverlapEngine:
         self._programs: dict[CapturePlan, ReplayPrograms] = {}
         self._queue: queue.Queue = queue.Queue()
         self._pool = BufferPool(sink)
+        self._held_lock = threading.Lock()
+        self._queued_bytes = 0  # captured bytes submitted, not yet received by the worker
+        self._window_bytes = 0  # host memory of the window being replayed
+        self._release_queued = False
         self._failures: collections.deque[CheckpointFailure] = collections.deque()
         self.windows_completed = 0
         self.windows_aborted = 0
@@ -245,12 +262,32 @@ class OverlapEngine:
         if programs is None:
             raise RuntimeError("OverlapEngine.submit: the outbox was captured with a plan this engine "
                                "did not make (use the engine's ticket for the step)")
+        with self._held_lock:
+            self._queued_bytes += outbox_bytes(outbox)
         self._queue.put(("phase", _Phase(step, outbox, programs, metadata)))
         return True
 
+    def held_bytes(self) -> int:
+        """Host memory of checkpoints not yet handed to the sink: captured outboxes waiting
+        for the worker and the window being replayed (the sink counts its own)."""
+        with self._held_lock:
+            return self._queued_bytes + self._window_bytes
+
+    def footprint(self) -> tuple[int, int]:
+        """(copy, scratch): the bytes of one host copy of the current plan's state, and the
+        most the replay and the sink hold besides it (see :mod:`overlap_ckpt.host_budget`)."""
+        plan = self.plan
+        extras = sum(layout.rows * layout.row_bytes for layout in plan.extras)
+        return plan.state_bytes + extras, self._programs[plan].scratch_bytes() + SINK_STAGING_BYTES
+
     def release_idle_buffers(self) -> None:
-        """Free the host memory of copies the sink has finished with (before a new window)."""
-        self._pool.release_idle()
+        """Free the host memory of copies the sink has finished with, on the worker thread
+        (it returns memory to the OS, which the training thread should not wait for). Cheap
+        when nothing is held: call it every step."""
+        if not self._pool.holds_views or self._release_queued:
+            return
+        self._release_queued = True
+        self._queue.put(("release", None))
 
     def take_failures(self) -> list[CheckpointFailure]:
         """Failures recorded since the last call (each one exactly once), oldest first."""
@@ -290,6 +327,10 @@ class OverlapEngine:
             if kind == "abort":
                 window = self._abort(window, item)
                 continue
+            if kind == "release":
+                self._release_queued = False
+                self._pool.release_idle()
+                continue
             ticket = item.outbox.ticket
             version = WindowSchedule(self.schedule.interval, ticket.plan.k).version(item.step, ticket.phase)
             try:
@@ -302,6 +343,7 @@ class OverlapEngine:
                 start = time.perf_counter()
                 window.receive(item.outbox)
                 end = time.perf_counter()
+                self._set_window_bytes(window.buffers.held_bytes)
                 self.replay_seconds += end - start
                 if self.spans is not None:
                     self.spans.append((item.step, ticket.phase, start, end))
@@ -315,8 +357,17 @@ class OverlapEngine:
                 log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, brief(e))
                 self._failures.append(CheckpointFailure(version, "replay", e))
                 window = self._abort(window, repr(e))
+            finally:
+                with self._held_lock:
+                    self._queued_bytes -= outbox_bytes(item.outbox)
+                if window is None:
+                    self._set_window_bytes(0)
             # Hold no captured array past its use: host memory has room for one copy.
             item = None
+
+    def _set_window_bytes(self, n: int) -> None:
+        with self._held_lock:
+            self._window_bytes = n
 
     def _hand_off(self, window: WindowReplay, metadata: dict | None) -> None:
         params, opt_state, extras = window.result()
@@ -336,6 +387,12 @@ class OverlapEngine:
             self.windows_aborted += 1
             log.warning("checkpoint window for step %d discarded: %s", window.version, why)
         return None
+
+
+def outbox_bytes(outbox: Outbox) -> int:
+    """Host bytes of the captured arrays of an outbox (this process's shards)."""
+    return sum(s.data.nbytes for x in (*outbox.state, *outbox.grads, *outbox.extras)
+               for s in x.addressable_shards)
 
 
 def _unreplayable(e: BaseException) -> UnsupportedOptimizerError | InternalError:

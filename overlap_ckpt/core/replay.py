@@ -85,53 +85,63 @@ class WindowReplay:
 
     def _replay(self, phase: int, grads: list[jax.Array], injected: list[np.ndarray]) -> None:
         plan = self.plan
-        pieces = plan.slicing.pieces_upto(phase)
-        by_leaf: dict[int, list[Piece]] = {}
-        for piece in pieces:
-            by_leaf.setdefault(piece.leaf, []).append(piece)
-        grad_blocks: dict[tuple[int, BlockKey, int], np.ndarray] = {}
-        for piece, g in zip(pieces, grads):
+        grad_parts: dict[tuple[int, BlockKey], list[tuple[Piece, np.ndarray]]] = {}
+        for piece, g in zip(plan.slicing.pieces_upto(phase), grads):
             layout = plan.params[piece.leaf]
             for shard in g.addressable_shards:
                 if shard.replica_id == 0:
                     key = index_key(layout.block_of(normalize_index(shard.index, g.shape), piece))
-                    grad_blocks[(piece.leaf, key, piece.start)] = np.asarray(shard.data)
-        n = len(plan.params)
+                    grad_parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
+        for batch in self.programs.batches(phase):
+            self._replay_batch(phase, batch, grad_parts, injected)
+
+    def _replay_batch(self, phase: int, batch: tuple[Piece, ...], grad_parts: dict,
+                      injected: list[np.ndarray]) -> None:
+        """One replay call over ``batch`` (row ranges of some leaves), in place in the host
+        blocks: its inputs are views of them where rows are contiguous, its outputs are
+        copied back and dropped, so the replay holds at most one batch besides the copy."""
+        plan = self.plan
+        by_leaf: dict[int, list[Piece]] = {}
+        for piece in batch:
+            by_leaf.setdefault(piece.leaf, []).append(piece)
         params_in, grads_in, state_in = {}, {}, {}
-        for k in by_leaf:
-            ranges = sorted(by_leaf[k])
+        for k, ranges in by_leaf.items():
             params_in[k] = self._gather(plan.params[k], self.buffers.params[k], ranges)
-            grads_in[k] = self._gather(plan.params[k], None, ranges, grad_blocks, k)
+            grads_in[k] = self._gather(plan.params[k], None, ranges, grad_parts, k)
         for j, owner in enumerate(plan.analysis.state_owner):
             if owner in by_leaf:
-                ranges = [plan.state_piece(j, p) for p in sorted(by_leaf[owner])]
-                state_in[j] = self._gather(plan.state[j], self.buffers.state[j], ranges)
+                state_in[j] = self._gather(plan.state[j], self.buffers.state[j],
+                                           [plan.state_piece(j, p) for p in by_leaf[owner]])
         args = self.programs.arguments(phase, params_in, state_in, grads_in, self.shared)
         outs = self.programs.run(args, injected)
         self.replayed_bytes += sum(x.nbytes for x in params_in.values()) + sum(x.nbytes for x in state_in.values())
-        new_params, new_state = outs[:n], outs[n:]
-        for k in by_leaf:
-            ranges = sorted(by_leaf[k])
-            self._scatter(plan.params[k], self.buffers.params[k], ranges, new_params[k])
+        del params_in, state_in, grads_in, args
+        n = len(plan.params)
+        for k, ranges in by_leaf.items():
+            self._scatter(plan.params[k], self.buffers.params[k], ranges, outs[k])
         for j, owner in enumerate(plan.analysis.state_owner):
             if owner in by_leaf:
-                ranges = [self.plan.state_piece(j, p) for p in sorted(by_leaf[owner])]
-                self._scatter(plan.state[j], self.buffers.state[j], ranges, new_state[j])
-        self.shared_after_replay = [np.asarray(new_state[j]) for j in plan.analysis.shared_state]
+                self._scatter(plan.state[j], self.buffers.state[j],
+                              [plan.state_piece(j, p) for p in by_leaf[owner]], outs[n + j])
+        self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
 
     def _gather(self, layout: LeafLayout, blocks: dict[BlockKey, np.ndarray] | None, ranges: list[Piece],
-                grad_blocks: dict | None = None, leaf: int | None = None) -> np.ndarray:
+                grad_parts: dict | None = None, leaf: int | None = None) -> np.ndarray:
         """The replay input of one leaf: its rows in the given pieces, block by block.
 
         Chunked (elementwise) updates take the row ranges of every block stacked along
-        axis 0; whole-leaf updates take the leaf assembled in its global shape.
+        axis 0 (a view of the block when that is one run of rows); whole-leaf updates take
+        the leaf assembled in its global shape.
         """
         keys = [index_key(b) for b in layout.blocks]
 
         def part(key: BlockKey, piece: Piece) -> np.ndarray:
-            if grad_blocks is not None:
-                return grad_blocks[(leaf, key, piece.start)]
-            return blocks[key][piece.start:piece.stop] if layout.shape else blocks[key]
+            if grad_parts is None:
+                return blocks[key][piece.start:piece.stop] if layout.shape else blocks[key]
+            for captured, data in grad_parts[(leaf, key)]:
+                if captured.start <= piece.start and piece.stop <= captured.stop:
+                    return data[piece.start - captured.start:piece.stop - captured.start] if layout.shape else data
+            raise WindowAborted(f"no captured gradient holds rows {piece.start}:{piece.stop} of leaf {leaf}")
 
         if not self.plan.chunked:
             if len(keys) == 1:
@@ -140,6 +150,8 @@ class WindowReplay:
             for index, key in zip(layout.blocks, keys):
                 out[index] = part(key, ranges[0])
             return out
+        if grad_parts is None:
+            ranges = _merged(ranges)
         parts = [part(key, p) for key in keys for p in ranges]
         return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
 
@@ -156,7 +168,7 @@ class WindowReplay:
             return
         offset = 0
         for key in keys:
-            for p in ranges:
+            for p in _merged(ranges):
                 rows = p.stop - p.start
                 if layout.shape:
                     np.copyto(blocks[key][p.start:p.stop], value[offset:offset + rows])
@@ -172,6 +184,42 @@ class WindowReplay:
         return (jax.tree.unflatten(plan.params_def, [host_array(b) for b in self.buffers.params]),
                 jax.tree.unflatten(plan.state_def, [host_array(b) for b in self.buffers.state]),
                 jax.tree.unflatten(plan.extras_def, [host_array(b) for b in self.buffers.extras]))
+
+
+def _merged(ranges: list[Piece]) -> list[Piece]:
+    """Row ranges with adjacent ones joined (the pieces of one leaf usually form one run)."""
+    out: list[Piece] = []
+    for p in sorted(ranges):
+        if out and out[-1].stop == p.start:
+            out[-1] = Piece(p.leaf, out[-1].start, p.stop)
+        else:
+            out.append(p)
+    return out
+
+
+def _batched(pieces: tuple[Piece, ...], piece_bytes, row_bytes, limit: int, chunked: bool) -> list[tuple[Piece, ...]]:
+    """Pieces grouped into batches of at most ``limit`` bytes; with ``chunked`` a piece is
+    cut into row ranges to fit, otherwise a piece larger than ``limit`` is a batch alone."""
+    batches: list[list[Piece]] = [[]]
+    filled = 0
+    for piece in pieces:
+        start = piece.start
+        while start < piece.stop:
+            per_row = row_bytes(piece.leaf)
+            if chunked:
+                take = min(piece.stop - start, max((limit - filled) // max(per_row, 1), 0))
+                if take == 0 and not batches[-1]:
+                    take = 1
+            else:
+                take = piece.stop - start if (filled + piece_bytes(piece) <= limit or not batches[-1]) else 0
+            if take == 0:
+                batches.append([])
+                filled = 0
+                continue
+            batches[-1].append(Piece(piece.leaf, start, start + take))
+            filled += take * per_row if chunked else piece_bytes(piece)
+            start += take
+    return [tuple(b) for b in batches if b]
 
 
 class ReplayPrograms:
@@ -199,6 +247,40 @@ class ReplayPrograms:
 
         self._run = jax.jit(run)
         self._dummy_state: dict[int, list[np.ndarray]] = {}
+        self.batch_bytes = int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
+        self._batches = [self._make_batches(phase) for phase in range(plan.k - 1)]
+
+    def _unit_row_bytes(self, leaf: int) -> int:
+        plan = self.plan
+        return plan.params[leaf].row_bytes + sum(plan.state[j].row_bytes for j in plan.analysis.owned_state(leaf))
+
+    def _piece_bytes(self, piece: Piece) -> int:
+        plan = self.plan
+        return (plan.params[piece.leaf].rows * plan.params[piece.leaf].row_bytes
+                + sum(plan.state[j].rows * plan.state[j].row_bytes for j in plan.analysis.owned_state(piece.leaf)))
+
+    def _make_batches(self, phase: int) -> list[tuple[Piece, ...]]:
+        return _batched(self.plan.slicing.pieces_upto(phase), self._piece_bytes, self._unit_row_bytes,
+                        self.batch_bytes, self.plan.chunked)
+
+    def batches(self, phase: int) -> list[tuple[Piece, ...]]:
+        """The replay calls of ``phase``: its pieces in batches of about :attr:`batch_bytes`
+        (params + owned state), so that the replay's scratch stays bounded whatever K and
+        the state's size. One program is compiled per batch shape, once per plan."""
+        return self._batches[phase]
+
+    def scratch_bytes(self) -> int:
+        """The most host memory one replay call holds besides the host copy: gathered
+        inputs (when rows are not one run), outputs, and gathered gradients."""
+        plan, most = self.plan, 0
+        for batches in self._batches:
+            for batch in batches:
+                state = sum(self._unit_row_bytes(p.leaf) * (p.stop - p.start) if plan.chunked
+                            else self._piece_bytes(p) for p in batch)
+                grads = sum(plan.params[p.leaf].row_bytes * (p.stop - p.start) if plan.chunked
+                            else plan.params[p.leaf].rows * plan.params[p.leaf].row_bytes for p in batch)
+                most = max(most, 2 * state + grads)
+        return most
 
     def dummy(self, layout: LeafLayout) -> np.ndarray:
         """Stand-in for a leaf that is not being advanced. One row when leaves are chunked
@@ -245,9 +327,9 @@ class ReplayPrograms:
         plan = self.plan
         injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
-        for phase in range(plan.k - 1):
+        for phase, batch in ((phase, batch) for phase in range(plan.k - 1) for batch in self.batches(phase)):
             by_leaf: dict[int, list[Piece]] = {}
-            for piece in plan.slicing.pieces_upto(phase):
+            for piece in batch:
                 by_leaf.setdefault(piece.leaf, []).append(piece)
             params_in = {k: self.gathered(plan.params[k], sorted(r)) for k, r in by_leaf.items()}
             state_in = {j: self.gathered(plan.state[j], [plan.state_piece(j, p) for p in sorted(by_leaf[o])])
