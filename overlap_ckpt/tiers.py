@@ -95,7 +95,6 @@ class TieredStore:
     """
 
     def __init__(self, durable: Any, tier: LocalTier, interval: int | None):
-        from .storage import CheckpointStore, SingleProcess
         from .storage.coordination import distributed_client
 
         tier.check_interval(interval)
@@ -111,13 +110,8 @@ class TieredStore:
             self.process_index, self.process_count = 0, 1
         self._namespace = f"overlap_ckpt/tiers/{next(_instances)}"
         self._agreements = itertools.count()
-        # No barriers: each process's local tier is its own (node-local) checkpoint directory.
-        # Back-pressure as the durable store's: "block" makes both tiers wait, never drop.
-        self.local = CheckpointStore(
-            tier.directory(durable.directory, self.process_index, self.process_count),
-            max_to_keep=tier.max_to_keep, read_only=durable.read_only, coordinator=SingleProcess(),
-            item_name=durable.item_name, chunk_bytes=durable.chunk_bytes,
-            on_backpressure=durable.on_backpressure, max_pending_host_copies=durable.max_pending_host_copies)
+        self._local_dir = tier.directory(durable.directory, self.process_index, self.process_count)
+        self.local = self._open_local()
         self._nbytes: dict[int, int] = {}  # step -> bytes of its host copy (one copy, both tiers)
 
     # -- the engine's sink ------------------------------------------------------------------
@@ -237,6 +231,7 @@ class TieredStore:
         job: each process reads the blocks it owned and jax's collectives place the
         replicated ones (:mod:`overlap_ckpt.tier_restore`); that needs ``target``."""
         step = self.newest_step() if step is None else int(step)
+        self._drop_local_after(step)
         everywhere = step in set.intersection(*(set(v) for v in self._exchange(self.local_steps())))
         if not everywhere or (target is None and self.process_count > 1):
             return self.durable.restore(step, target, **kwargs)
@@ -247,6 +242,31 @@ class TieredStore:
             tree, meta = self.local.restore(step, owned_target(target), **kwargs)
             tree = spread(tree, target)
         return tree, {k: v for k, v in (meta or {}).items() if k != _TIER_KEY}
+
+    def _drop_local_after(self, step: int) -> None:
+        """Delete local steps newer than the one the job resumes from: training goes on from
+        ``step``, and a step it writes again must not meet (or be mixed, across processes,
+        with) the one of the abandoned run. The store is reopened so that it forgets them."""
+        from .storage import commit
+
+        newer = [s for s in self.local.all_steps() if s > step]
+        if self.read_only or not newer:
+            return
+        self.local.close()
+        for s in newer:
+            commit.delete_step(self.local.location, s)
+        self.local = self._open_local()
+
+    def _open_local(self):
+        from .storage import CheckpointStore, SingleProcess
+
+        durable = self.durable
+        # No barriers: each process's local tier is its own (node-local) checkpoint directory.
+        # Back-pressure as the durable store's: "block" makes both tiers wait, never drop.
+        return CheckpointStore(
+            self._local_dir, max_to_keep=self.tier.max_to_keep, read_only=durable.read_only,
+            coordinator=SingleProcess(), item_name=durable.item_name, chunk_bytes=durable.chunk_bytes,
+            on_backpressure=durable.on_backpressure, max_pending_host_copies=durable.max_pending_host_copies)
 
     def check_not_foreign(self) -> None:
         self.durable.check_not_foreign()

@@ -199,3 +199,41 @@ def test_bad_configuration_is_refused_at_construction(make, tmp_path):
         make(tmp_path)
     assert not (tmp_path / "c").exists() or not (tmp_path / "c" / ".overlap_ckpt.lock").exists() or \
         CheckpointManager(tmp_path / "c", save_interval_steps=4).close() is None  # the lock was not kept
+
+
+def _train(mngr, state, start: int, stop: int):
+    from faults.worker import _train_step, batch
+
+    for t in range(start, stop):
+        state, _ = _train_step()(state, *batch(0, t))
+        state = mngr.step(state)
+    return state
+
+
+def test_resuming_from_an_older_step_drops_newer_local_steps(reference, tmp_path):
+    base, _, snaps = reference
+    shutil.copytree(base, tmp_path / "run")
+    durable, local = tmp_path / "run" / "durable", tmp_path / "run" / "local"
+    with worker.manager(durable, local) as mngr:
+        state = mngr.restore(6, target_state=worker.make_state())
+        assert committed(local) == set()  # 10 and 12 belong to the abandoned run
+        _train(mngr, state, 6, 11)
+        mngr.wait_until_finished()  # raises if a step was refused
+        assert committed(local) == {8, 10}
+        assert same_bits(snapshot(mngr.restore(10, target_state=worker.make_state())), snaps[10])
+
+
+def test_explicit_save_goes_to_both_tiers(reference, tmp_path):
+    _, _, snaps = reference
+    durable, local = tmp_path / "durable", tmp_path / "local"
+    with worker.manager(durable, local) as mngr:
+        state = _train(mngr, mngr.prepare(worker.make_state()), 0, 11)
+        mngr.wait_until_finished()
+        assert committed(local) == {8, 10} and committed(durable) == {6}
+        assert mngr.save(11, state, force=True)  # the end of training, off the interval
+        mngr.wait_until_finished()
+    assert committed(local) == {10, 11} and committed(durable) == {6, 11}
+    final = snapshot(state)
+    shutil.rmtree(local)
+    with worker.manager(durable, local) as mngr:
+        assert same_bits(snapshot(mngr.restore(target_state=worker.make_state())), final)
