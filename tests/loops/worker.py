@@ -170,6 +170,23 @@ def pmap_train_step(state, batch):
     return new_state, lax.pmean(loss, axis_name="batch")
 
 
+def pmap_loop(h: Harness, p_train_step, create_train_state, place) -> None:
+    """The imagenet example's loop; ``place`` turns a fresh state into what ``p_train_step``
+    takes (replicated or as it is)."""
+    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
+        if h.resume:
+            target = place(create_train_state())
+            state = mngr.restore(target_state=target)
+            h.restored(state, like=target)
+        else:
+            state = mngr.prepare(place(create_train_state()))
+        for t in range(int(np.asarray(state.step).reshape(-1)[0]), h.steps):
+            h.before_step(t, mngr)
+            state, loss = p_train_step(state, common_utils.shard(M.image_batch(t)))
+            state = mngr.step(state)
+            h.after_step(t, loss[0], mngr)
+
+
 @style
 def linen_pmap(h: Harness) -> None:
     def create_train_state():
@@ -177,41 +194,14 @@ def linen_pmap(h: Harness) -> None:
         return pmap_create_state(optax.sgd(schedule, momentum=0.9, nesterov=True))
 
     p_train_step = jax.pmap(pmap_train_step, axis_name="batch", donate_argnums=(0,))
-
-    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
-        if h.resume:
-            target = jax_utils.replicate(create_train_state())
-            state = mngr.restore(target_state=target)
-            h.restored(state, like=target)
-        else:
-            state = mngr.prepare(jax_utils.replicate(create_train_state()))
-        for t in range(int(state.step[0]), h.steps):
-            h.before_step(t, mngr)
-            state, loss = p_train_step(state, common_utils.shard(M.image_batch(t)))
-            state = mngr.step(state)
-            h.after_step(t, loss[0], mngr)
+    pmap_loop(h, p_train_step, create_train_state, jax_utils.replicate)
 
 
 # -- b2. Linen + jax.pmap over one broadcast state (in_axes=None), as Flax's newer examples ----
 @style
 def linen_pmap_broadcast(h: Harness) -> None:
-    def create_train_state():
-        return pmap_create_state(optax.adamw(1e-2, weight_decay=1e-4))
-
     p_train_step = jax.pmap(pmap_train_step, axis_name="batch", in_axes=(None, 0), out_axes=(None, 0))
-
-    with overlap_ckpt.CheckpointManager(h.dir, save_interval_steps=4, window=2) as mngr:
-        if h.resume:
-            target = create_train_state()
-            state = mngr.restore(target_state=target)
-            h.restored(state, like=target)
-        else:
-            state = mngr.prepare(create_train_state())
-        for t in range(int(state.step), h.steps):
-            h.before_step(t, mngr)
-            state, loss = p_train_step(state, common_utils.shard(M.image_batch(t)))
-            state = mngr.step(state)
-            h.after_step(t, loss[0], mngr)
+    pmap_loop(h, p_train_step, lambda: pmap_create_state(optax.adamw(1e-2, weight_decay=1e-4)), lambda s: s)
 
 
 # -- c. explicit sharding (sharding in types, jax.set_mesh, reshard) ------------------------
