@@ -5,7 +5,9 @@ the stall they predict (``overlap-ckpt aot``, docs/aot.md)."""
 from .hlo import DeviceCopy, HostCopy
 from .programs import DeviceMemory, ProgramReport, compile_program
 from .targets import Target, TargetError, get_target
+from .user_step import lower_in_window, plan_state
 from .window import AotCheckError, WindowReport, compile_window
 
 __all__ = ["DeviceCopy", "HostCopy", "DeviceMemory", "ProgramReport", "compile_program", "Target",
-           "TargetError", "get_target", "AotCheckError", "WindowReport", "compile_window"]
+           "TargetError", "get_target", "AotCheckError", "WindowReport", "compile_window", "lower_in_window",
+           "plan_state"]

@@ -7,6 +7,7 @@ import time
 
 from .. import costmodel
 from . import predict
+from .cpu_check import calibrate
 from .lm_step import lm_setup, lower_reference, lower_with, plan_window
 from .programs import compile_program
 from .report import markdown
@@ -26,9 +27,10 @@ def best_k(report: WindowReport, cost: predict.StepCost) -> int:
 
 
 def aot_report(target: Target, model: str, ks: list[int] | None = None, intervals: tuple[int, ...] = (10, 50),
-               batch_per_device: int = 4, log=print) -> tuple[str, dict[int, WindowReport]]:
+               batch_per_device: int = 4, log=print, measure: bool = False) -> tuple[str, dict[int, WindowReport]]:
     """Compile and report. ``ks`` None: K=1, what ``window="auto"`` picks at each interval,
-    and the best K of the model; else exactly these K."""
+    and the best K of the model; else exactly these K. ``measure`` (cpu target only): run
+    the step and a blocking state copy and set them beside the prediction."""
     started = time.perf_counter()
     setup = lm_setup(target, model, batch_per_device)
     lower = lower_with(setup)
@@ -60,4 +62,7 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
              f"{plain.flops:.3g} by the compiler's cost analysis" if plain.flops else
              f"flops per device: {flops_hint:.3g} by the 6N-per-token estimate (no cost analysis from this compiler)",
              f"everything compiled on this machine from abstract inputs in {time.perf_counter() - started:.0f} s"]
-    return markdown(model, windows, labels, cost, list(intervals), notes), windows
+    text = markdown(model, windows, labels, cost, list(intervals), notes)
+    if measure:
+        text += "\n" + calibrate(setup, probe, cost).markdown()
+    return text, windows

@@ -447,8 +447,10 @@ def cmd_aot(args) -> int:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
         raise UserError(str(e)) from None
+    if args.measure and target.platform != "cpu":
+        raise UserError("--measure runs the step, so it needs the device: use it with --target cpu")
     text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
-                               log=lambda line: print(line, file=sys.stderr))
+                               log=lambda line: print(line, file=sys.stderr), measure=args.measure)
     if args.output:
         with open(args.output, "w") as f:
             f.write(text)
@@ -507,6 +509,8 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--host-gbps", type=float, default=None, help="device->host GB/s per device")
     a.add_argument("--output", default=None, help="also write the markdown report here")
     a.add_argument("--check", action="store_true", help="exit 1 when a window program fails the check")
+    a.add_argument("--measure", action="store_true",
+                   help="cpu target only: also run the step and a blocking state copy, beside the prediction")
     a.set_defaults(func=cmd_aot)
     return p
 

@@ -50,7 +50,7 @@ def test_extra_device_copy_fails_naming_the_leaf(target_name):
         report.check()
 
 
-def test_copy_that_overlaps_compute_passes():
+def test_copy_that_overlaps_compute_passes_h100():
     """The same 2 MiB copy with a real gradient to compute beside it passes (h100)."""
     target = target_or_skip("h100")
     report = toy(target, lambda w: jnp.tanh(w @ w.T) @ w, keep_input=False)

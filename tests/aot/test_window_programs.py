@@ -1,5 +1,7 @@
-"""The window programs of a small Linen LM and an NNX LM, compiled for an H100 and a TPU
-v5e:2x2 slice (FSDP over 4 chips) without either, checked on their compiled schedule.
+"""The window programs of a small NNX LM (functional style: ``nnx.split``/``nnx.merge``
+around ``capture_update``), compiled for an H100 and a TPU v5e:2x2 slice (FSDP over 4 chips)
+without either, checked on their compiled schedule. (The Linen door's own step:
+test_linen_train_state.py.)
 
 Independent references: the outbox's leaf count comes from the lowered program's output
 tree (what the step returns), not from the schedule; the plain step is compared with the
@@ -13,17 +15,15 @@ from overlap_ckpt.aot.lm_step import lm_setup, lower_reference, lower_with, plan
 from overlap_ckpt.aot.window import compile_window
 from overlap_ckpt.core.capture import WindowTicket
 
-from .conftest import TPU_TARGET, target_or_skip
+from .conftest import TPU_TARGET, assert_within_plain_plus_outbox, target_or_skip
 
 K = 2
-CASES = [("h100", "linen"), ("h100", "nnx"), (TPU_TARGET, "linen"), (TPU_TARGET, "nnx")]
 
 
-@pytest.fixture(scope="module", params=CASES, ids=[f"{t}-{f}" for t, f in CASES])
+@pytest.fixture(scope="module", params=["h100", TPU_TARGET])
 def compiled(request):
-    target_name, framework = request.param
-    target = target_or_skip(target_name)
-    setup = lm_setup(target, "tiny", batch_per_device=2, framework=framework)
+    target = target_or_skip(request.param)
+    setup = lm_setup(target, "tiny", batch_per_device=2, framework="nnx")
     lower = lower_with(setup)
     plan = plan_window(setup, K)
     return lower, plan, compile_window(lower, plan, target, lower_reference(setup))
@@ -50,9 +50,8 @@ def test_plain_step_is_the_users_program(compiled):
 def test_window_device_memory_within_plain_step_plus_outbox(compiled):
     _, _, report = compiled
     for program in report.phases:
-        assert program.memory.peak <= report.plain.memory.peak + program.memory.host_output, (
-            program.name, program.memory, report.plain.memory)
-        assert not report.violations(), report.violations()
+        assert {c.leaf for c in program.device_copies} <= {c.leaf for c in report.plain.device_copies}
+    assert_within_plain_plus_outbox(report)
 
 
 @pytest.mark.xfail(strict=True, reason=(

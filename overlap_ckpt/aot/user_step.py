@@ -1,0 +1,40 @@
+"""A user's own jitted step and train state, compiled for a target: the window variants
+come from the window context the doors read (``overlap_ckpt.core.window_context``), as
+``CheckpointManager.compile_ahead`` makes them, so the step is exactly the user's."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+
+from ..core import backend
+from ..core.capture import WindowTicket
+from ..core.engine import MemorySink, OverlapEngine
+from ..core.plan import CapturePlan
+from ..core.window_context import window_ticket
+from ..doors.registry import door_for
+from .window import LowerStep
+
+
+def plan_state(state: Any, k: int, **door_args: Any) -> CapturePlan:
+    """The plan a manager would make for ``state`` (an ``overlap_ckpt.TrainState``, ...)
+    with windows of ``k`` steps; its leaves may be abstract (``jax.ShapeDtypeStruct`` with
+    shardings on a target's devices). ``door_args``: ``model=``/``graphdef=`` for NNX."""
+    door = door_for(state, **door_args)
+    parts = door.parts(state)
+    engine = OverlapEngine(parts.tx, MemorySink(), interval=k + 1, window=k,
+                           outbox_memory=backend.outbox_memory(door.outbox_memory))
+    try:
+        return engine.plan_for(parts.params, parts.opt_state, parts.extras)
+    finally:
+        engine.close()
+
+
+def lower_in_window(step: Any, *args: Any) -> LowerStep:
+    """``lower(ticket)`` for :func:`overlap_ckpt.aot.compile_window`: ``step`` (a
+    ``jax.jit``-wrapped function) lowered on ``args`` with ``ticket`` in the window context."""
+    def lower(ticket: WindowTicket | None) -> jax.stages.Lowered:
+        with window_ticket(ticket):
+            return step.lower(*args)
+    return lower
