@@ -1,0 +1,48 @@
+"""Reading a scheduled HLO module (text as XLA:GPU prints it), without any plugin."""
+
+from overlap_ckpt.aot.hlo import device_copies, entry_instructions, host_copies
+from overlap_ckpt.aot.programs import fingerprint
+
+SCHEDULED = r'''HloModule jit_step, is_scheduled=true
+
+FileNames
+1 "/home/user/train.py"
+
+%fused_computation (p: f32[1024,1024]) -> f32[1024,1024] {
+  %p = f32[1024,1024]{1,0} parameter(0)
+  ROOT %n = f32[1024,1024]{1,0} negate(%p)
+}
+
+ENTRY %main.3 (w.1: f32[1024,1024], b.1: f32[8]) -> (f32[1024,1024], f32[1024,1024], f32[8], f32[1024,1024]) {
+  %w.1 = f32[1024,1024]{1,0} parameter(0), metadata={op_name="state.params['w']"}
+  %b.1 = f32[8]{0} parameter(1), metadata={op_name="state.params['b']"}
+  %copy-start.2 = (f32[1024,1024]{1,0:S(5)}, f32[1024,1024]{1,0}, u32[]) copy-start(%w.1), backend_config={"operation_queue_id":"1"}
+  %gemm_fusion = f32[1024,1024]{1,0} fusion(%w.1), kind=kCustom, calls=%fused_computation
+  %copy-done.2 = f32[1024,1024]{1,0:S(5)} copy-done(%copy-start.2)
+  %copy-start.3 = (f32[8]{0:S(5)}, f32[8]{0}, u32[]) copy-start(%b.1), backend_config={"operation_queue_id":"1"}
+  %copy-done.3 = f32[8]{0:S(5)} copy-done(%copy-start.3)
+  %copy.4 = f32[1024,1024]{1,0} copy(%w.1), metadata={op_name="jit(step)/copy" source_line=12}
+  ROOT %tuple = (f32[1024,1024]{1,0}, f32[1024,1024]{1,0:S(5)}, f32[8]{0:S(5)}, f32[1024,1024]{1,0}) tuple(%gemm_fusion, %copy-done.2, %copy-done.3, %copy.4)
+}
+'''
+
+
+def test_host_copies_overlap_queue_and_leaf():
+    copies = host_copies(entry_instructions(SCHEDULED))
+    assert [(c.leaf, c.nbytes, c.asynchronous, c.queue, c.compute_between) for c in copies] == [
+        ("state.params['w']", 4 << 20, True, "1", 1),
+        ("state.params['b']", 32, True, "1", 0),
+    ]
+    assert [c.overlapped for c in copies] == [True, False]
+
+
+def test_device_copy_of_an_argument_is_named():
+    assert [(c.leaf, c.nbytes) for c in device_copies(entry_instructions(SCHEDULED))] == [
+        ("state.params['w']", 4 << 20)]
+
+
+def test_fingerprint_ignores_python_names_only():
+    renamed = SCHEDULED.replace("HloModule jit_step", "HloModule jit_other").replace(
+        "/home/user/train.py", "/elsewhere.py").replace("source_line=12", "source_line=99")
+    assert fingerprint(renamed) == fingerprint(SCHEDULED)
+    assert fingerprint(SCHEDULED.replace("negate", "abs")) != fingerprint(SCHEDULED)
