@@ -3,12 +3,14 @@ target, compiled once each, and the markdown report of them."""
 
 from __future__ import annotations
 
+import dataclasses
 import time
+from typing import Callable
 
 from .. import costmodel
 from . import predict
 from .cpu_check import calibrate
-from .lm_step import lm_setup, lower_reference, lower_with, plan_window
+from .lm_step import LMSetup, lm_setup, lower_reference, lower_with, plan_window
 from .programs import compile_program
 from .report import markdown
 from .targets import Target
@@ -26,43 +28,66 @@ def best_k(report: WindowReport, cost: predict.StepCost) -> int:
     return costmodel.choose_k(profile, max_k=MAX_K)
 
 
+@dataclasses.dataclass
+class AotRun:
+    """What one ``overlap-ckpt aot`` run compiled, growing one K at a time."""
+
+    setup: LMSetup
+    probe: WindowReport  # the plain and user steps, without phases
+    cost: predict.StepCost
+    labels: dict[int, str]  # K -> why it is compiled
+    started: float
+    windows: dict[int, WindowReport] = dataclasses.field(default_factory=dict)
+
+    def notes(self) -> list[str]:
+        setup, target, plain = self.setup, self.probe.target, self.probe.plain
+        hint = setup.train_flops() / len(target.devices)
+        flops = (f"flops per device: {hint:.3g} by the 6N-per-token estimate, {plain.flops:.3g} by the "
+                 "compiler's cost analysis" if plain.flops else
+                 f"flops per device: {hint:.3g} by the 6N-per-token estimate (no cost analysis from this compiler)")
+        return [f"model: {setup.config.num_params() / 1e6:.0f}M parameters, bf16 compute, f32 params and Adam "
+                f"moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, FSDP over "
+                f"{len(target.devices)} device(s)", flops,
+                f"compiled on this machine from abstract inputs in {time.perf_counter() - self.started:.0f} s"]
+
+    def markdown(self, model: str, intervals: list[int]) -> str:
+        return markdown(model, self.windows, self.labels, self.cost, intervals, self.notes())
+
+
 def aot_report(target: Target, model: str, ks: list[int] | None = None, intervals: tuple[int, ...] = (10, 50),
-               batch_per_device: int = 4, log=print, measure: bool = False) -> tuple[str, dict[int, WindowReport]]:
+               batch_per_device: int = 4, log=print, measure: bool = False,
+               on_progress: Callable[[str], None] = lambda text: None) -> tuple[str, dict[int, WindowReport]]:
     """Compile and report. ``ks`` None: K=1, what ``window="auto"`` picks at each interval,
     and the best K of the model; else exactly these K. ``measure`` (cpu target only): run
-    the step and a blocking state copy and set them beside the prediction."""
+    the step and a blocking state copy and set them beside the prediction. ``on_progress``
+    gets the report so far after each K (a 1B model on a TPU takes long to compile)."""
+    run = _start(target, model, ks, intervals, batch_per_device, log)
+    lower = lower_with(run.setup)
+    for k in sorted(run.labels):
+        plan = run.probe.plan if k == 1 else plan_window(run.setup, k)
+        run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=compile_phases(lower, plan))
+        run.labels.setdefault(plan.k, run.labels[k])
+        log(f"K={plan.k}: {plan.k} phases compiled")
+        on_progress(run.markdown(model, list(intervals)))
+    text = run.markdown(model, list(intervals))
+    if measure:
+        text += "\n" + calibrate(run.setup, run.probe, run.cost).markdown()
+    return text, run.windows
+
+
+def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log) -> AotRun:
+    """The plain and user steps compiled, the step cost predicted and the K to compile chosen."""
     started = time.perf_counter()
     setup = lm_setup(target, model, batch_per_device)
-    lower = lower_with(setup)
-    plain, _ = compile_program("plain step", lower(None))
+    plain, _ = compile_program("plain step", lower_with(setup)(None))
     log(f"plain step compiled in {plain.compile_s:.1f} s")
     reference, _ = compile_program("user step", lower_reference(setup))
-    flops_hint = setup.train_flops() / len(target.devices)
-    first_plan = plan_window(setup, 1)
-    probe = WindowReport(target, first_plan, plain, (), reference)
-    cost = predict.step_cost(probe, flops_hint)
-    labels: dict[int, str] = {}
-    if ks is None:
-        labels[1] = "1"
-        for n in intervals:
-            labels.setdefault(predict.auto_k(probe, cost, n), f"auto at N={n}")
-        labels.setdefault(best_k(probe, cost), "best")
-    else:
-        labels = {k: "given" for k in ks}
-    windows = {}
-    for k in sorted(labels):
-        plan = first_plan if k == 1 else plan_window(setup, k)
-        windows[plan.k] = WindowReport(target, plan, plain, compile_phases(lower, plan), reference)
-        labels.setdefault(plan.k, labels[k])
-        log(f"K={plan.k}: {plan.k} phases compiled")
-    notes = [f"model {model}: {setup.config.num_params() / 1e6:.0f}M parameters, bf16 compute, f32 params and "
-             f"Adam moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, "
-             f"FSDP over {len(target.devices)} device(s)",
-             f"flops per device: {flops_hint:.3g} by the 6N-per-token estimate, "
-             f"{plain.flops:.3g} by the compiler's cost analysis" if plain.flops else
-             f"flops per device: {flops_hint:.3g} by the 6N-per-token estimate (no cost analysis from this compiler)",
-             f"everything compiled on this machine from abstract inputs in {time.perf_counter() - started:.0f} s"]
-    text = markdown(model, windows, labels, cost, list(intervals), notes)
-    if measure:
-        text += "\n" + calibrate(setup, probe, cost).markdown()
-    return text, windows
+    probe = WindowReport(target, plan_window(setup, 1), plain, (), reference)
+    cost = predict.step_cost(probe, setup.train_flops() / len(target.devices))
+    if ks is not None:
+        return AotRun(setup, probe, cost, {k: "given" for k in ks}, started)
+    labels = {1: "1"}
+    for n in intervals:
+        labels.setdefault(predict.auto_k(probe, cost, n), f"auto at N={n}")
+    labels.setdefault(best_k(probe, cost), "best")
+    return AotRun(setup, probe, cost, labels, started)

@@ -449,11 +449,15 @@ def cmd_aot(args) -> int:
         raise UserError(str(e)) from None
     if args.measure and target.platform != "cpu":
         raise UserError("--measure runs the step, so it needs the device: use it with --target cpu")
+    def write(text: str) -> None:
+        if args.output:
+            with open(args.output, "w") as f:
+                f.write(text)
+
     text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
-                               log=lambda line: print(line, file=sys.stderr), measure=args.measure)
-    if args.output:
-        with open(args.output, "w") as f:
-            f.write(text)
+                               log=lambda line: print(line, file=sys.stderr), measure=args.measure,
+                               on_progress=write)
+    write(text)
     print(text)
     failed = [k for k, w in windows.items() if w.violations()]
     if args.check and failed:
