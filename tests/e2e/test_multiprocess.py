@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import signal
 import socket
 import subprocess
 import sys
@@ -190,7 +191,11 @@ def test_sigkill_one_process_mid_checkpoint_then_resume_both(tmp_path, refs, run
                             "--kill-stage", stage, "--kill-step", "12", "--kill-delay", str(delay))
     (rc_v, out_v), (rc_s, out_s) = results[victim], results[1 - victim]
     assert rc_v == -9 and FAULT_FIRED in out_v, f"{what}: victim rc={rc_v}\n{tail(out_v)}"
-    assert rc_s == 0 and f"WORKER-OK {1 - victim}" in out_s, f"{what}: survivor rc={rc_s}\n{tail(out_s)}"
+    # The survivor reports and exits. When the victim was process 0, jax.distributed's
+    # client may abort the survivor (SIGABRT) once it notices that the service process 0
+    # hosted is gone: accepted only after the survivor has reported.
+    allowed = (0, -signal.SIGABRT) if victim == 0 else (0,)
+    assert rc_s in allowed and f"WORKER-OK {1 - victim}" in out_s, f"{what}: survivor rc={rc_s}\n{tail(out_s)}"
     survivor = json.loads((tmp_path / f"result_{1 - victim}.json").read_text())
     from overlap_ckpt.storage import CheckpointStore
     with CheckpointStore(tmp_path / "ckpt", read_only=True) as store:

@@ -1,7 +1,7 @@
 """Memory soak (thousands of steps, K cycling 1..3) and graceful shutdown on SIGTERM.
 
 The soak runs in a subprocess so its RSS is its own. Length: ``OVERLAP_SOAK_STEPS`` steps
-per window size (default 1500, i.e. 499 checkpoint windows each), a count rather than a duration so
+per window size (default 600, i.e. 199 checkpoint windows each), a count rather than a duration so
 that a slow machine runs the same test.
 """
 
@@ -60,7 +60,7 @@ SOAK = textwrap.dedent(r"""
 
 
 def test_soak_rss_flat(tmp_path):
-    n_steps = int(os.environ.get("OVERLAP_SOAK_STEPS", "1500"))
+    n_steps = int(os.environ.get("OVERLAP_SOAK_STEPS", "600"))
     env = dict(os.environ, JAX_PLATFORMS="cpu")
     proc = subprocess.run([sys.executable, "-c", SOAK, str(tmp_path), str(n_steps),
                            os.path.dirname(os.path.abspath(worker.__file__))], env=env,
