@@ -31,6 +31,7 @@ import json
 import logging
 import os
 import tempfile
+import threading
 from typing import Any
 
 from .errors import ConfigError
@@ -113,6 +114,8 @@ class TieredStore:
         self._local_dir = tier.directory(durable.directory, self.process_index, self.process_count)
         self.local = self._open_local()
         self._nbytes: dict[int, int] = {}  # step -> bytes of its host copy (one copy, both tiers)
+        self._entering: set[int] = set()  # steps being handed to the tiers (not pending yet)
+        self._lock = threading.Lock()  # the engine thread puts, the training thread asks held_bytes
 
     # -- the engine's sink ------------------------------------------------------------------
     def put(self, step: int, tree: Any, metadata: dict | None = None) -> None:
@@ -125,7 +128,16 @@ class TieredStore:
         self._put(step, tree, metadata, durable=True)
 
     def _put(self, step: int, tree: Any, metadata: dict | None, *, durable: bool) -> None:
-        self._nbytes[step] = _tree_nbytes(tree)
+        with self._lock:
+            self._nbytes[step] = _tree_nbytes(tree)
+            self._entering.add(step)
+        try:
+            self._put_tiers(step, tree, metadata, durable)
+        finally:
+            with self._lock:
+                self._entering.discard(step)
+
+    def _put_tiers(self, step: int, tree: Any, metadata: dict | None, durable: bool) -> None:
         tagged = {**(metadata or {}), _TIER_KEY: {"process": self.process_index,
                                                   "processes": self.process_count}}
         first_error = None
@@ -148,9 +160,10 @@ class TieredStore:
     def held_bytes(self) -> int:
         """Bytes of host copies still referenced; a copy queued in both tiers counts once."""
         pending = set(self.pending_steps())
-        for step in [s for s in self._nbytes if s not in pending]:
-            del self._nbytes[step]
-        return sum(self._nbytes.values())
+        with self._lock:
+            for step in [s for s in self._nbytes if s not in pending and s not in self._entering]:
+                del self._nbytes[step]
+            return sum(self._nbytes.values())
 
     @property
     def dropped_steps(self) -> list[int]:
@@ -305,11 +318,20 @@ class TieredStore:
         store; just ``[mine]`` in a single-process job)."""
         if self.process_count == 1:
             return [mine]
+        from .storage import CheckpointError
+
         prefix = f"{self._namespace}/{next(self._agreements)}/"
         self._client.key_value_set(f"{prefix}{self.process_index}", json.dumps(mine), allow_overwrite=True)
-        return [mine if p == self.process_index else
-                json.loads(self._client.blocking_key_value_get(f"{prefix}{p}", _AGREE_TIMEOUT_MS))
-                for p in range(self.process_count)]
+        views = []
+        for p in range(self.process_count):
+            try:
+                views.append(mine if p == self.process_index else
+                             json.loads(self._client.blocking_key_value_get(f"{prefix}{p}", _AGREE_TIMEOUT_MS)))
+            except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED from the coordination service
+                raise CheckpointError(
+                    f"process {p} did not report its local-tier steps within {_AGREE_TIMEOUT_MS // 1000} s: "
+                    "every process must restore (or ask for the newest step) at the same point") from e
+        return views
 
 
 def _tree_nbytes(tree: Any) -> int:
