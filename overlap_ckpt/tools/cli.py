@@ -443,12 +443,12 @@ def cmd_aot(args) -> int:
     from ..aot import TargetError, get_target
     from ..aot.benchmark import aot_report
 
+    if args.measure and args.target != "cpu":
+        raise UserError("--measure runs the step, so it needs the device: use it with --target cpu")
     try:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
         raise UserError(str(e)) from None
-    if args.measure and target.platform != "cpu":
-        raise UserError("--measure runs the step, so it needs the device: use it with --target cpu")
     def write(text: str) -> None:
         if args.output:
             with open(args.output, "w") as f:

@@ -1,0 +1,30 @@
+"""``overlap-ckpt aot`` end to end on the CPU target (no plugin needed), and its refusals."""
+
+import subprocess
+import sys
+
+
+def aot(*args, timeout=600):
+    return subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "aot", *args],
+                          capture_output=True, text=True, timeout=timeout)
+
+
+def test_cpu_report(tmp_path):
+    out = tmp_path / "report.md"
+    r = aot("--target", "cpu", "--model", "tiny", "--k", "1", "--output", str(out))
+    assert r.returncode == 0, r.stderr[-3000:]
+    text = out.read_text()
+    assert text == r.stdout.rstrip("\n") + "\n"
+    assert "| plain step |" in text and "| phase 0 of 1 |" in text
+    assert "**yes**" in text  # the plain step is the user's program
+    assert "Orbax async" in text and "overlap K=1 (given)" in text
+
+
+def test_unknown_target_is_one_line_naming_the_choices():
+    r = aot("--target", "v9z:2x2")
+    assert r.returncode == 1 and "unknown target 'v9z:2x2'" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_measure_needs_the_cpu_target():
+    r = aot("--target", "v5e:2x2", "--measure")
+    assert r.returncode == 1 and "--measure" in r.stderr and "Traceback" not in r.stderr
