@@ -86,8 +86,8 @@ def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log
     cost = predict.step_cost(probe, setup.train_flops() / len(target.devices))
     if ks is not None:
         return AotRun(setup, probe, cost, {k: "given" for k in ks}, started)
-    labels = {1: "1"}
-    for n in intervals:
-        labels.setdefault(predict.auto_k(probe, cost, n), f"auto at N={n}")
-    labels.setdefault(best_k(probe, cost), "best")
-    return AotRun(setup, probe, cost, labels, started)
+    labels = {1: ["1"]}
+    for k, why in [*((predict.auto_k(probe, cost, n), f"auto at N={n}") for n in intervals),
+                   (best_k(probe, cost), "best")]:
+        labels.setdefault(k, []).append(why)
+    return AotRun(setup, probe, cost, {k: ", ".join(whys) for k, whys in labels.items()}, started)
