@@ -11,7 +11,8 @@ Layout of the package (the data path runs top to bottom):
 * :mod:`overlap_ckpt.manager` — the Orbax-like front door over a door, the engine and a store;
 * :mod:`overlap_ckpt.core` — framework-free algorithm: plan, capture, host replay, engine;
 * :mod:`overlap_ckpt.storage` — persist, commit, restore, verify (Orbax's on-disk layout);
-* :mod:`overlap_ckpt.tools` — the ``overlap-ckpt`` command, the demo and its models.
+* :mod:`overlap_ckpt.tools` — the ``overlap-ckpt`` command, the demo and its models;
+* :mod:`overlap_ckpt.aot` — window programs compiled for an H100 or a TPU slice without one.
 """
 
 from .core.capture import capture_update
@@ -34,7 +35,7 @@ __version__ = "0.1.0"
 # The Orbax door and the storage layer import orbax/tensorstore (~0.6 s): loaded on first use.
 _LAZY = {"HostCopySink": "doors.orbax", "OverlapCheckpointHandler": "doors.orbax",
          "OverlapSave": "doors.orbax", "overlap_handler_registry": "doors.orbax",
-         "storage": None}
+         "storage": None, "aot": None}
 __all__ += list(_LAZY)
 
 

@@ -24,7 +24,6 @@ from ..core import backend
 from ..core.plan import CapturePlan, make_plan
 from ..tools.models import LMConfig, TransformerLM, linen_loss_fn, nnx_init, nnx_loss_fn
 from .targets import Target
-from .window import WindowReport, compile_window
 
 
 @dataclasses.dataclass(frozen=True)
@@ -131,9 +130,3 @@ def lower_reference(setup: LMSetup) -> jax.stages.Lowered:
         return optax.apply_updates(params, updates), new_state, None
     return _train_step(setup, update).lower(setup.params, setup.opt_state, setup.batch, setup.step)
 
-
-def lm_window_report(target: Target, preset: str, k: int, batch_per_device: int = 4,
-                     framework: str = "linen") -> tuple[LMSetup, WindowReport]:
-    """Compile the plain step, the K phases and the user's own step of the LM."""
-    setup = lm_setup(target, preset, batch_per_device, framework)
-    return setup, compile_window(lower_with(setup), plan_window(setup, k), target, lower_reference(setup))
