@@ -237,3 +237,31 @@ def test_explicit_save_goes_to_both_tiers(reference, tmp_path):
     shutil.rmtree(local)
     with worker.manager(durable, local) as mngr:
         assert same_bits(snapshot(mngr.restore(target_state=worker.make_state())), final)
+
+
+def test_a_failed_local_write_reaches_the_next_step(tmp_path):
+    import errno
+
+    from overlap_ckpt.errors import CheckpointError
+    from overlap_ckpt.storage import set_fault_hook
+
+    def hook(stage, info):
+        if stage == "array_write" and info.get("step") == 8:
+            raise OSError(errno.ENOSPC, "No space left on device (injected)")
+
+    previous = set_fault_hook(hook)
+    try:
+        with worker.manager(tmp_path / "durable", tmp_path / "local") as mngr:
+            state = _train(mngr, mngr.prepare(worker.make_state()), 0, 9)
+            mngr.store.flush()  # the write of local step 8 has failed by now
+            from faults.worker import _train_step, batch
+            state, _ = _train_step()(state, *batch(0, 9))
+            with pytest.raises(CheckpointError, match="8") as caught:
+                mngr.step(state)
+            assert [f.step for f in caught.value.failures] == [8]
+            state = mngr.step(state)  # handled: the same call again, and training goes on
+            state = _train(mngr, state, 10, 13)
+            mngr.wait_until_finished()
+    finally:
+        set_fault_hook(previous)
+    assert committed(tmp_path / "local") == {10, 12} and committed(tmp_path / "durable") == {6, 12}
