@@ -171,7 +171,8 @@ def worker(spec: dict) -> dict:
         interval = 10**9 if cfg_name == "overlap_idle" else n
         store = oc.storage.CheckpointStore(ckpt_dir, max_to_keep=2, copy_threads=spec.get("copy_threads"))
         mngr = oc.CheckpointManager(save_interval_steps=interval, window=WINDOWS[cfg_name], store=store,
-                                    persist_bytes_per_s=spec.get("persist_bytes_per_s") or 1e9)
+                                    persist_bytes_per_s=spec.get("persist_bytes_per_s") or 1e9,
+                                    on_host_budget=spec.get("on_host_budget", "wait"))
         state = mngr.prepare(state)
         if spec.get("compile_ahead", True):
             mngr.compile_ahead(train_step, state, batches[0])  # window variants off this thread
@@ -187,7 +188,11 @@ def worker(spec: dict) -> dict:
             omngr.wait_until_finished()
 
     warmup, steps = spec["warmup"], spec["steps"]
-    rows = []  # (t, phase/save flag, start, end) of measured steps
+    # sync_every=1: every step ends with block_until_ready (per-step times are step times);
+    # k > 1: the loop only fetches the loss every k steps, as real loops do, so dispatch runs
+    # ahead and only the whole span's time means something (stall per checkpoint over the span).
+    sync_every = spec.get("sync_every", 1)
+    rows = []  # (t, phase/save flag, start, end, rss) of measured steps
     rss_before = _rss_now()
     for t in range(s0, s0 + warmup + steps):
         if t == s0 + warmup:
@@ -207,10 +212,13 @@ def worker(spec: dict) -> dict:
         elif omngr is not None and (t + 1) % n == 0:
             # The state after step t is version t + 1 (the input of step t + 1), as for overlap.
             save = bool(omngr.save(t + 1, args=ocp.args.StandardSave(tree_of(state))))
-        jax.block_until_ready((state.params, state.opt_state, loss))
+        if sync_every == 1:
+            jax.block_until_ready((state.params, state.opt_state, loss))
+        elif (t + 1 - s0 - warmup) % sync_every == 0 or t == s0 + warmup + steps - 1:
+            float(loss)  # what a loop that logs the loss every few steps waits for
         end = time.perf_counter()
         if t >= s0 + warmup:
-            rows.append({"t": t, "phase": phase, "save": save, "start": start, "end": end})
+            rows.append({"t": t, "phase": phase, "save": save, "start": start, "end": end, "rss": _rss_now()})
     wait_start = time.perf_counter()
     finish_wait()
     final_wait_s = time.perf_counter() - wait_start
@@ -229,8 +237,12 @@ def worker(spec: dict) -> dict:
         "rss_before_train_bytes": rss_before, "rss_peak_bytes": rss_peak, "d2h_bytes_per_s": d2h,
         "compile_s": compile_s(),
     }
+    out["sync_every"] = sync_every
     if mngr is not None:
         eng = mngr.engine
+        summary = mngr.summary()
+        out["host_budget"] = {"text": str(summary), "limit_bytes": summary.limit_bytes, "delayed": summary.delayed,
+                              "delay_s": summary.delay_seconds, "skipped": summary.skipped_steps}
         out["k"] = int(eng.schedule.k)
         out["replay_seconds"] = eng.replay_seconds
         out["replayed_bytes"] = int(eng.replayed_bytes)
@@ -304,6 +316,10 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
             if (r["t"] + 1) % n == 0:
                 groups[r["t"] + 1] = [dt - base_median]
     stalls = [sum(g) for g in groups.values()]
+    # Committed in the measured span (overlap: persisted windows; Orbax: saves issued).
+    res["committed"] = len(run["persist"]) if cfg.startswith("overlap") else sum(r["save"] for r in run["steps"])
+    res["stall_span_per_ckpt_s"] = ((sum(dts) - len(dts) * base_mean) / res["committed"]
+                                    if res["committed"] else None)
     res["checkpoints_measured"] = len(stalls)
     res["stall_per_ckpt_s"] = statistics.mean(stalls) if stalls else None
     res["stall_per_ckpt_median_s"] = _median(stalls)
@@ -430,10 +446,12 @@ def markdown(report: dict) -> str:
              f"- no-checkpoint step: median {_ms(base['median_step_s'])} ms, mean {_ms(base['mean_step_s'])} ms; "
              f"D2H {(_fmt(base.get('d2h_bytes_per_s') and base['d2h_bytes_per_s'] / 1e9, '.2f'))} GB/s; "
              f"raw fsync'd sequential write {report['raw_write']['median_gibps']:.3f} GiB/s",
+             f"- loop: {'block_until_ready after every step' if report.get('sync_every', 1) == 1 else 'no per-step sync; the loss is fetched every %d steps' % report['sync_every']}; "
+             f"host budget policy `{report.get('on_host_budget', 'wait')}`",
              f"- cost model: overlappable fraction {report['overlappable_fraction']}, persist bandwidth = "
              "raw write, replay bandwidth = measured K=3 replay", ""]
     hdr = ["config", "N", "K", "median step ms (x none)", "non-window step ms (x none)",
-           "compile s (x none)", "stall/ckpt ms: measured", "predicted",
+           "compile s (x none)", "ckpts committed", "stall/ckpt ms: window steps", "over the span", "predicted",
            "x Orbax async", "ETTR: measured", "predicted", "x Orbax async", "final wait ms",
            "persist GiB/s (x raw)", "restore ms (Orbax/ours)", "peak RSS MiB (extra / state)", "replay GB/s"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] + ["--:"] * (len(hdr) - 1)) + "|"]
@@ -462,12 +480,15 @@ def markdown(report: dict) -> str:
             rss += f" ({r['rss_extra_vs_state']:+.2f}x)"
         plain = r.get("median_plain_step_s")
         compile_s = r.get("compile_s")
+        committed = "-" if r["config"] == "none" else str(r.get("committed"))
+        if r.get("host_budget") and (r["host_budget"]["delayed"] or r["host_budget"]["skipped"]):
+            committed += f" ({r['host_budget']['delayed']} delayed, {len(r['host_budget']['skipped'])} skipped)"
         cells = [LABELS[r["config"]], str(n or "-"), str(r.get("k", "-")),
                  f"{_ms(r['median_step_s'])} ({r['median_step_s'] / base['median_step_s']:.2f}x)",
                  "-" if plain is None else f"{_ms(plain)} ({plain / base['median_step_s']:.3f}x)",
                  "-" if compile_s is None else (f"{compile_s:.1f} ({compile_s / base['compile_s']:.2f}x)"
                                                 if base.get("compile_s") else f"{compile_s:.1f}"),
-                 _ms(stall), _ms(pred.get("stall_s")), vs_stall,
+                 committed, _ms(stall), _ms(r.get("stall_span_per_ckpt_s")), _ms(pred.get("stall_s")), vs_stall,
                  f"{r['ettr']:.3f}", _fmt(pred.get("ettr")), vs_ettr,
                  _ms(r.get("final_wait_s")) if r["config"] != "none" else "-", persist, restore, rss,
                  _fmt(r.get("replay_gbps"), ".2f", "-")]
@@ -475,7 +496,11 @@ def markdown(report: dict) -> str:
     lines += ["", "## Targets", ""]
     for tgt in report["targets"]:
         lines.append(f"- {tgt['name']}: {tgt['text']} -- **{_mark(tgt['met'])}**")
-    lines += ["", "Definitions: stall/ckpt = extra time over the no-checkpoint median step, summed over the "
+    lines += ["", "Definitions: ckpts committed = checkpoints written from the measured span (overlap: "
+              "persisted windows, with those the host budget delayed or skipped; Orbax: saves). stall/ckpt "
+              "over the span = (sum of measured step times - steps x no-checkpoint mean step) / ckpts "
+              "committed: the only stall that means something when the loop does not sync every step. "
+              "stall/ckpt on window steps = extra time over the no-checkpoint median step, summed over the "
               "steps attributed to a checkpoint (Orbax: the step that calls save; overlap: the K window "
               "steps), mean over the measured checkpoints; the final `wait_until_finished` is reported "
               "separately. ETTR = mean no-checkpoint step time / mean step time. Peak RSS extra = peak RSS "
@@ -556,6 +581,64 @@ def measure_raw_write(state_bytes: int, directory: str, repeats: int) -> dict:
     return {"bytes": nbytes, "gibps": rates, "median_gibps": statistics.median(rates)}
 
 
+def soak(args) -> dict:
+    """Host RSS over ``args.soak`` checkpoints at N = the first interval: overlap auto-K and
+    Orbax async, one fresh process each; RSS after the 10th and the last checkpoint."""
+    n = args.intervals[0]
+    batch_size = args.batch_size or {"tiny": 8, "small": 8, "20m": 4, "100m": 4, "1b": 8}[args.model]
+    ckpt_root = tempfile.mkdtemp(prefix="overlap_soak_", dir=os.path.abspath(args.ckpt_dir or tempfile.gettempdir()))
+    env = _worker_env(args.platform, None)
+    common = {"model": args.model, "batch_size": batch_size, "platform": args.platform, "ckpt_root": ckpt_root,
+              "restore_repeats": 1, "optimizer": args.optimizer, "compile_ahead": True,
+              "sync_every": args.sync_every, "on_host_budget": args.on_host_budget}
+    s0 = max(0, n - args.warmup_steps)
+    out = {"benchmark": "soak", "model": args.model, "interval": n, "checkpoints": args.soak,
+           "sync_every": args.sync_every, "runs": {}}
+    try:
+        base_mean = None
+        for cfg in ("none", "overlap_auto", "orbax_async"):
+            run = _run_worker({**common, "config": cfg, "interval": n, "start_step": s0, "warmup": n - s0 + 1,
+                               "steps": args.soak * n, "distinct_batches": 16}, env, args.timeout)
+            rss = [r["rss"] for r in run["steps"]]
+            dts = [r["end"] - r["start"] for r in run["steps"]]
+            if cfg == "none":
+                base_mean = statistics.mean(dts)
+                continue
+            at10, last = rss[10 * n - 1], rss[-1]
+            committed = len(run["persist"]) if "persist" in run else sum(r["save"] for r in run["steps"])
+            r = out["runs"][cfg] = {
+                "rss": rss, "rss_after_10": at10, "rss_after_last": last, "growth_vs_10": last / at10 - 1,
+                "state_bytes": run["state_bytes"], "committed": committed, "host_budget": run.get("host_budget"),
+                "ettr": base_mean / statistics.mean(dts),
+                "stall_span_per_ckpt_s": (sum(dts) - len(dts) * base_mean) / committed if committed else None}
+            print(f"{cfg}: {committed} committed, ETTR {r['ettr']:.3f}, stall/ckpt over the span "
+                  f"{_ms(r['stall_span_per_ckpt_s'])} ms; RSS after 10 checkpoints {at10 / 2**20:.0f} MiB, "
+                  f"after {args.soak}: {last / 2**20:.0f} MiB ({r['growth_vs_10']:+.1%}); "
+                  f"{(run.get('host_budget') or {}).get('text', '')}", flush=True)
+    finally:
+        shutil.rmtree(ckpt_root, ignore_errors=True)
+    out["no_checkpoint_mean_step_s"] = base_mean
+    with open(args.out + "_soak.json", "w") as fh:
+        json.dump(out, fh)
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+        fig, ax = plt.subplots(figsize=(8, 4))
+        for cfg, r in out["runs"].items():
+            ax.plot([x / 2**20 for x in r["rss"]], label=f"{LABELS[cfg]} ({r['growth_vs_10']:+.1%} from ckpt 10)")
+        ax.axvline(10 * n - 1, color="grey", ls=":", lw=1)
+        ax.set_xlabel(f"measured step (a checkpoint every {n} steps)")
+        ax.set_ylabel("RSS MiB")
+        ax.set_title(f"{args.model}: host RSS over {args.soak} checkpoints")
+        ax.legend()
+        fig.tight_layout()
+        fig.savefig(args.out + "_rss.png", dpi=100)
+    except ImportError:
+        print("no RSS plot: pip install -e '.[bench]'")
+    return out
+
+
 def main(argv: list[str] | None = None) -> dict | None:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["--worker"]:
@@ -592,7 +675,16 @@ def main(argv: list[str] | None = None) -> dict | None:
     ap.add_argument("--no-compile-ahead", action="store_true", help="overlap runs do not call compile_ahead")
     ap.add_argument("--copy-threads", type=int, default=None,
                     help="CheckpointStore(copy_threads=) of the overlap runs (default: one per core)")
+    ap.add_argument("--sync-every", type=int, default=1,
+                    help="1: block_until_ready after every step; k > 1: fetch the loss every k steps only")
+    ap.add_argument("--on-host-budget", default="wait", choices=("wait", "skip"),
+                    help="CheckpointManager(on_host_budget=) of the overlap runs")
+    ap.add_argument("--soak", type=int, default=None, metavar="CHECKPOINTS",
+                    help="instead of the report: overlap auto-K and Orbax async for this many checkpoints "
+                         "at the first interval, RSS after every step, plotted to <out>_rss.png")
     args = ap.parse_args(argv)
+    if args.soak:
+        return soak(args)
     if any(n < 3 for n in args.intervals) and "overlap_k3" in args.configs:
         ap.error("overlap_k3 needs intervals >= 3")
 
@@ -623,7 +715,8 @@ def main(argv: list[str] | None = None) -> dict | None:
         common = {"model": args.model, "batch_size": batch_size, "platform": args.platform,
                   "ckpt_root": ckpt_root, "restore_repeats": args.restore_repeats,
                   "persist_bytes_per_s": raw["median_gibps"] * GIB, "optimizer": args.optimizer,
-                  "compile_ahead": not args.no_compile_ahead, "copy_threads": args.copy_threads}
+                  "compile_ahead": not args.no_compile_ahead, "copy_threads": args.copy_threads,
+                  "sync_every": args.sync_every, "on_host_budget": args.on_host_budget}
         base_steps = args.steps
         plan = [("none", 0)] + [(cfg, n) for n in args.intervals for cfg in args.configs]
         best: dict[tuple[str, int], dict] = {}
@@ -647,6 +740,7 @@ def main(argv: list[str] | None = None) -> dict | None:
         for run in runs:
             res = analyse(run, base["median_step_s"], base["mean_step_s"])
             res.update({"config": run["config"], "interval": run["interval"], "final_wait_s": run["final_wait_s"],
+                        "host_budget": run.get("host_budget"),
                         "rss_peak_bytes": run["rss_peak_bytes"], "state_bytes": run["state_bytes"]})
             if "k" in run:
                 res["k"] = run["k"]
@@ -672,6 +766,7 @@ def main(argv: list[str] | None = None) -> dict | None:
             "backend": base_run["backend"], "device": base_run["device"], "platform": args.platform,
             "overlappable_fraction": f, "restore_repeats": args.restore_repeats,
             "optimizer": args.optimizer, "rounds": args.rounds, "compile_ahead": not args.no_compile_ahead,
+            "sync_every": args.sync_every, "on_host_budget": args.on_host_budget,
             "machine": {"platform": platform.platform(), "cpus": os.cpu_count(),
                         "python": platform.python_version(),
                         "loadavg_at_end": list(os.getloadavg()) if hasattr(os, "getloadavg") else None},

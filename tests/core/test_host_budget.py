@@ -3,41 +3,22 @@ flight (each one counted once), and host copies are reused, not reallocated, acr
 
 from __future__ import annotations
 
-import functools
 import logging
 import re
 import threading
 
 import jax
-import jax.numpy as jnp
 import optax
 import pytest
 
 import overlap_ckpt.core.engine as engine_module
 from overlap_ckpt.errors import ConfigError
-from overlap_ckpt.doors.linen import TrainState
 from overlap_ckpt.host_budget import Footprint, HostBudget
 from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.storage import hooks
 
 from conftest import make_params, run_loop
-
-
-def make_state():
-    params = {"w": jnp.arange(4096, dtype=jnp.float32).reshape(256, 16) / 1e3, "b": jnp.zeros(16)}
-    return TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2))
-
-
-@functools.partial(jax.jit, donate_argnums=0)
-def train_step(state, x):
-    grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params)
-    return state.apply_gradients(grads=grads)
-
-
-def run(mngr, state, start, stop):
-    for t in range(start, stop):
-        state = mngr.step(train_step(state, jnp.full((2, 256), 0.01 * (t + 1), jnp.float32)))
-    return state
+from doors.test_manager import make_state, run
 
 
 def test_budget_below_one_checkpoint_is_refused_at_prepare_naming_the_minimum(tmp_path):
