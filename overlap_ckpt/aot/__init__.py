@@ -2,6 +2,7 @@
 TPU slice on a machine without either, read from their schedule and memory analysis, and
 the stall they predict (``overlap-ckpt aot``, docs/aot.md)."""
 
+from . import predict
 from .hlo import DeviceCopy, HostCopy
 from .programs import DeviceMemory, ProgramReport, compile_program
 from .targets import Target, TargetError, get_target
