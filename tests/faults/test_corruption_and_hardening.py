@@ -12,7 +12,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -20,10 +19,11 @@ import tensorstore as ts
 
 from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.storage import (CheckpointError, CheckpointLockedError, CheckpointStore,
-                                  CorruptCheckpointError, IncompleteCheckpointError, MissingArrayError)
+                                  IncompleteCheckpointError)
 from overlap_ckpt.storage import restore as restore_mod
 
 from . import record, worker
+from .damage import DAMAGE
 
 
 @pytest.fixture(scope="module")
@@ -43,53 +43,6 @@ def ck(pristine, tmp_path):
     dst = tmp_path / "ck"
     shutil.copytree(src, dst, ignore=shutil.ignore_patterns(".overlap_ckpt.lock"))
     return dst, snaps
-
-
-def data_files(root: Path, step: int) -> list[Path]:
-    # Small chunks are inlined in the b-tree nodes of the merged root (default/d).
-    item = root / str(step) / "default"
-    return sorted([*(item / "d").iterdir(), *(item / "ocdbt.process_0" / "d").iterdir()],
-                  key=lambda p: p.stat().st_size)
-
-
-def flip_byte(root):
-    for f in data_files(root, 12):  # every data file: one of them holds the chunks read
-        raw = bytearray(f.read_bytes())
-        raw[len(raw) // 2] ^= 0x10
-        f.write_bytes(bytes(raw))
-
-
-def truncate_chunk_file(root):
-    for f in data_files(root, 12):
-        f.write_bytes(f.read_bytes()[: f.stat().st_size // 2])
-
-
-def delete_tree_metadata(root):
-    (root / "12" / "default" / "_METADATA").unlink()
-
-
-def delete_ocdbt_manifest(root):
-    (root / "12" / "default" / "manifest.ocdbt").unlink()
-
-
-def delete_step_metadata(root):
-    (root / "12" / "_CHECKPOINT_METADATA").unlink()  # optional file: restore still exact
-
-
-def stray_tmp_dir(root):
-    shutil.copytree(root / "12", root / "16.orbax-checkpoint-tmp")
-    (root / "16.orbax-checkpoint-tmp" / "junk").write_bytes(os.urandom(100))
-
-
-# damage -> what restoring step 12 must do: raise exactly this class, or (None) restore exactly.
-# The test state is small, so chunks are inlined in the OCDBT B-tree nodes: the "data files"
-# damaged here are those nodes (tests/storage/test_faults.py flips bytes of chunk files).
-DAMAGE = {"flipped byte in every data file": (flip_byte, CorruptCheckpointError),
-          "truncated data files": (truncate_chunk_file, CorruptCheckpointError),
-          "deleted _METADATA of the latest step": (delete_tree_metadata, CorruptCheckpointError),
-          "deleted manifest.ocdbt of the latest step": (delete_ocdbt_manifest, MissingArrayError),
-          "deleted _CHECKPOINT_METADATA (optional)": (delete_step_metadata, None),
-          "stray *.orbax-checkpoint-tmp dir": (stray_tmp_dir, None)}
 
 
 @pytest.mark.parametrize("name", list(DAMAGE))

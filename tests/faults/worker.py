@@ -276,8 +276,9 @@ def same_bits(a: dict[str, np.ndarray], b: dict[str, np.ndarray]) -> bool:
                and np.ascontiguousarray(a[k]).tobytes() == np.ascontiguousarray(b[k]).tobytes() for k in a)
 
 
-def launch(directory, *, steps: int = 18, env: dict | None = None, ref_dir=None, extra=()):
-    """Start this worker as a subprocess (stdout/stderr piped); returns the Popen."""
+def launch(directory, *, steps: int = 18, env: dict | None = None, ref_dir=None, extra=(), prefix=()):
+    """Start this worker as a subprocess (stdout/stderr piped); returns the Popen. ``prefix``:
+    a command that runs it (the soak's ``unshare -rm sh -c ...`` for a tmpfs or a read-only root)."""
     import subprocess
 
     repo = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -285,7 +286,7 @@ def launch(directory, *, steps: int = 18, env: dict | None = None, ref_dir=None,
     for k in ("FAULT", "PREEMPT", "STEP_SLEEP", "BACKPRESSURE"):
         full.pop(k, None)
     full.update(env or {})
-    cmd = [sys.executable, os.path.abspath(__file__), "--dir", str(directory), "--steps", str(steps), *extra]
+    cmd = [*prefix, sys.executable, os.path.abspath(__file__), "--dir", str(directory), "--steps", str(steps), *extra]
     if ref_dir is not None:
         cmd += ["--ref-dir", str(ref_dir)]
     return subprocess.Popen(cmd, env=full, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
