@@ -5,10 +5,15 @@ import os
 import subprocess
 import sys
 
-import jax
-import jax.numpy as jnp
-import numpy as np
-import optax
+# The suite's expectations (bitwise replays, simulated devices) are the CPU backend's. An
+# installed accelerator plugin (libtpu from the "aot" extra, which compiles for TPU targets
+# without a chip) would otherwise try to claim a device in this process and its subprocesses.
+os.environ.setdefault("JAX_PLATFORMS", "cpu")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+import optax  # noqa: E402
 
 from overlap_ckpt import HostArray, MemorySink, OverlapEngine, capture_update
 
