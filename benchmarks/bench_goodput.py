@@ -36,6 +36,8 @@ import tempfile
 import threading
 import time
 
+from benchmarks.reporting import publish
+
 CONFIGS = ("orbax_async", "durable", "local")
 
 
@@ -177,13 +179,7 @@ def main(argv=None) -> dict | None:
         shutil.rmtree(root, ignore_errors=True)
     report = {"args": vars(args), "argv": argv, "runs": runs, "device": "cpu",
               "machine": f"{platform.platform()}, {os.cpu_count()} CPUs"}
-    text = markdown(report)
-    print(text)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(text)
+    publish(report, markdown(report), args.out)
     return report
 
 

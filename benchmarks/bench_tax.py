@@ -21,11 +21,12 @@ from __future__ import annotations
 
 import argparse
 import functools
-import json
 import os
 import statistics
 import tempfile
 import time
+
+from benchmarks.reporting import publish
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -129,13 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
         lines += ["", f"Window steps of the `windows` loop and the steps right after them (persist beside "
                       f"training): median {report['window_and_next_step_median_s'] * 1e3:.1f} ms over "
                       f"{len(near_window)} steps (not in the table)."]
-    md = "\n".join(lines) + "\n"
-    print(md)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump(report, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(md)
+    publish(report, "\n".join(lines) + "\n", args.out)
     return report
 
 
