@@ -135,6 +135,8 @@ KILL_POINTS = [(1, "array_write"), (1, "data_written"), (0, "data_written"), (0,
                (0, "before_commit"), (0, "committed")]
 FAULT_RUNS = int(os.environ.get("OVERLAP_MP_FAULT_RUNS", "3"))
 FAULT_SEED = os.environ.get("OVERLAP_MP_FAULT_SEED", "0")
+# What jax.distributed prints when it aborts a process whose coordination service is gone.
+JAX_SERVICE_LOST = "JAX distributed service detected fatal errors"
 
 
 def run_fault_job(tmp_path, name: str, *extra: str) -> list[tuple[int, str]]:
@@ -192,16 +194,23 @@ def test_sigkill_one_process_mid_checkpoint_then_resume_both(tmp_path, refs, run
     (rc_v, out_v), (rc_s, out_s) = results[victim], results[1 - victim]
     assert rc_v == -9 and FAULT_FIRED in out_v, f"{what}: victim rc={rc_v}\n{tail(out_v)}"
     # The survivor reports and exits. When the victim was process 0, jax.distributed's
-    # client may abort the survivor (SIGABRT) once it notices that the service process 0
-    # hosted is gone: accepted only after the survivor has reported.
-    allowed = (0, -signal.SIGABRT) if victim == 0 else (0,)
-    assert rc_s in allowed and f"WORKER-OK {1 - victim}" in out_s, f"{what}: survivor rc={rc_s}\n{tail(out_s)}"
-    survivor = json.loads((tmp_path / f"result_{1 - victim}.json").read_text())
+    # client aborts the survivor (SIGABRT) once it notices that the service process 0 hosted
+    # is gone, with its own fatal message, at a moment JAX does not bound: before or after
+    # the survivor reported. Either way it does not hang; what is on storage is checked below.
+    aborted_by_jax = victim == 0 and rc_s == -signal.SIGABRT and JAX_SERVICE_LOST in out_s
+    assert aborted_by_jax or (rc_s in (0, -signal.SIGABRT) and f"WORKER-OK {1 - victim}" in out_s), \
+        f"{what}: survivor rc={rc_s}\n{tail(out_s)}"
+    if victim == 1:
+        assert rc_s == 0, f"{what}: survivor rc={rc_s}\n{tail(out_s)}"
+    result = tmp_path / f"result_{1 - victim}.json"
+    survivor = json.loads(result.read_text()) if result.exists() else {}
     from overlap_ckpt.storage import CheckpointStore
     with CheckpointStore(tmp_path / "ckpt", read_only=True) as store:
         steps = store.all_steps()
     assert steps in ([3, 6, 9], [3, 6, 9, 12]), (what, steps)
-    if "error" in survivor:  # a clear error naming the step and the dead process
+    if not survivor:
+        assert aborted_by_jax, (what, "the survivor neither reported nor was aborted by jax.distributed")
+    elif "error" in survivor:  # a clear error naming the step and the dead process
         assert survivor["error_type"] == "CheckpointWriteError" and survivor["step"] == 12, (what, survivor)
         assert survivor["cause_type"] == "BarrierTimeoutError" and survivor["missing"] == [victim], (what, survivor)
     else:  # no error only when the step was fully committed before the kill
