@@ -47,7 +47,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     config = LMConfig.preset(args.model)
     model = TransformerLM(config)
-    tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
     data = SyntheticTokens(config.vocab_size, config.seq_len, args.batch_size, seed=0)
     device = jax.devices()[0]
     batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(8)]
@@ -58,6 +57,9 @@ def main(argv: list[str] | None = None) -> dict:
         return state.apply_gradients(grads=grads), loss
 
     def fresh():
+        # Each loop its own optimizer object: a window ticket on this thread applies to every
+        # update with the transformation it was planned for (overlap_ckpt.core.window_context).
+        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
         state = oc.TrainState.create(apply_fn=model.apply, params=linen_init(config, 0), tx=tx)
         return jax.device_put(state.replace(step=jax.numpy.int32(0)), device)
 
