@@ -1,18 +1,28 @@
-"""``window="auto"``: choose K from the measured step time and device-to-host bandwidth.
+"""``window="auto"``: choose K from the step's cost and the device-to-host bandwidth.
 
 On the CPU backend the "device" is host memory and nothing overlaps, so K is 1. On an
-accelerator the manager starts with K=1, times a few steps outside windows (two host
-syncs in the whole run), measures the device-to-host bandwidth once, and asks the cost
-model (:func:`overlap_ckpt.costmodel.choose_k`) for K; the next window uses it. Before a
-run, :func:`choose_window` gives the same answer from a step time predicted for a target
-from its compiled program (``overlap-ckpt aot``), so K need not start at 1 "until measured".
+accelerator K comes from the cost model (:func:`overlap_ckpt.costmodel.choose_k`) with one
+of two step times:
 
-The two measurements are the only inputs that depend on the machine; tests replace them
-(:func:`overlap_ckpt.testing.emulate_accelerator`) to run this path on the CPU.
+* **predicted**, when the step is given to ``compile_ahead`` and the device is one whose
+  numbers :mod:`overlap_ckpt.aot.targets` knows (H100, TPU v4/v5e/v5p/v6e): the step's own
+  program, lowered once, gives its flops (XLA's cost analysis), and the step time is the
+  one ``overlap-ckpt aot`` predicts for that target (:func:`predict_window`). K is known
+  before the first window, which already runs with it;
+* **measured** (:class:`AutoWindow`), in every run on an accelerator: the manager times a
+  few steps outside windows (two host syncs in the whole run), measures the
+  device-to-host bandwidth once, and the next window uses the K it gives (K=1 until then
+  when nothing was predicted). A prediction rests on a datasheet and an assumed MFU; the
+  measurement corrects it.
+
+The machine-dependent inputs (the clock, the bandwidth probe, the device's numbers) are
+module attributes that tests replace (:func:`overlap_ckpt.testing.emulate_accelerator`) to
+run both paths on the CPU.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import time
 from typing import Any, Callable
@@ -26,9 +36,19 @@ log = logging.getLogger(__name__)
 
 MEASURE_STEPS = 5  # steps timed before choosing K
 
-# Replaced by overlap_ckpt.testing to exercise the accelerator path on the CPU backend.
+MFU = 0.5  # assumed model-FLOPs utilisation of a predicted step (as overlap-ckpt aot assumes)
+
+
+def _known_hardware(device: Any) -> Any:
+    from .aot.targets import hardware_of
+
+    return hardware_of(device)
+
+
+# Replaced by overlap_ckpt.testing to exercise the accelerator paths on the CPU backend.
 measure_bandwidth: Callable[[Any], float] = costmodel.measure_d2h_bandwidth
 clock: Callable[[], float] = time.perf_counter
+hardware_of: Callable[[Any], Any] = _known_hardware  # -> aot.targets.Hardware | None
 
 
 class AutoWindow:
@@ -86,3 +106,46 @@ def choose_window(step_time_s: float, d2h_bytes_per_s: float, state_bytes: float
                                         state_bytes=state_bytes, grad_bytes=grad_bytes,
                                         persist_bytes_per_s=persist_bytes_per_s)
     return costmodel.choose_k(profile, interval_steps=interval_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class PredictedWindow:
+    """K chosen before the first window, and what it was chosen from (logged, inspectable)."""
+
+    k: int
+    step_time_s: float
+    flops_per_device: float
+    host_link_bytes_per_s: float
+    hardware: str
+
+
+def predict_window(lowered: Any, device: Any, devices: int, state_bytes: float, grad_bytes: float,
+                   persist_bytes_per_s: float, interval_steps: int) -> PredictedWindow | None:
+    """K for the plain step ``lowered`` (a ``jax.stages.Lowered``) on ``device``'s hardware.
+
+    ``state_bytes`` and ``grad_bytes`` are per device (each device copies its own shards
+    over its own link). The flops come from XLA's cost analysis of the lowered program,
+    before partitioning, so they are divided over the ``devices`` the step runs on; its
+    byte count is not used, because before fusion it counts every intermediate (3x the
+    optimized program's on a small LM). None when the device's numbers are unknown or the
+    backend gives no cost analysis: the manager then measures (:class:`AutoWindow`).
+    """
+    hardware = hardware_of(device)
+    if hardware is None:
+        return None
+    try:
+        analysis = lowered.cost_analysis()
+    except Exception as e:  # noqa: BLE001 - a backend without cost analysis: measure instead
+        log.info("window='auto': no cost analysis of the step (%s); measuring instead", e)
+        return None
+    if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
+        analysis = analysis[0] if analysis else None
+    flops = (analysis or {}).get("flops")
+    if not flops or flops <= 0:
+        return None
+    flops /= max(devices, 1)
+    step_time_s = costmodel.predicted_step_time_s(flops, hardware.peak_flops, MFU)
+    k = choose_window(step_time_s, hardware.host_link_bytes_per_s, state_bytes, grad_bytes,
+                      persist_bytes_per_s, interval_steps)
+    log.info("window='auto': predicted step %.4fs on %s, K=%d", step_time_s, hardware.sources, k)
+    return PredictedWindow(k, step_time_s, flops, hardware.host_link_bytes_per_s, hardware.sources)

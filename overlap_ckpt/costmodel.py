@@ -172,6 +172,18 @@ class TrainingProfile:
 # --------------------------------------------------------------------------- the window
 
 
+def predicted_step_time_s(flops: float, peak_flops: float, mfu: float, hbm_bytes: float | None = None,
+                          hbm_bytes_per_s: float | None = None) -> float:
+    """Step time of a compiled step on hardware it has not run on: its flops at ``mfu`` of
+    the peak rate, or its memory traffic at the HBM bandwidth when that takes longer
+    (``hbm_bytes`` only from an optimized program: before fusion every intermediate counts)."""
+    t = check_number("flops", flops, positive=True) / (check_number("peak_flops", peak_flops, positive=True)
+                                                       * check_number("mfu", mfu, positive=True))
+    if hbm_bytes and hbm_bytes_per_s:
+        t = max(t, hbm_bytes / hbm_bytes_per_s)
+    return t
+
+
 def window_transfer_bytes(state_bytes: float, grad_bytes: float, k: int) -> list[float]:
     """Bytes shipped device->host at each step ``j = 0..k-1`` of a K-step window.
 

@@ -25,6 +25,7 @@ from typing import Any
 
 import jax
 
+from . import autok
 from .autok import AutoWindow
 from .core.capture import Outbox, WindowTicket
 from .core import backend
@@ -53,8 +54,10 @@ class CheckpointManager:
         ``None`` opens the directory read-only, for :meth:`restore` and the queries.
       max_to_keep, keep_every_n_steps: retention, as in Orbax.
       window: steps K a checkpoint is spread over. ``"auto"``: 1 on the CPU backend; on
-        accelerators K is chosen by the cost model from the measured step time and
-        device-to-host bandwidth (K=1 until measured).
+        accelerators K is chosen by the cost model: before the first window from the
+        step's own program when it is given to :meth:`compile_ahead` on a known device
+        (H100, TPU v4/v5e/v5p/v6e; the prediction is :attr:`window_prediction`), else K=1;
+        then from the measured step time and device-to-host bandwidth, once measured.
       save_tree: a function rearranging the saved tree ``{"step", "params", "opt_state",
         **extras}`` into the app's own (see :mod:`overlap_ckpt.save_tree`).
       item_name: the Orbax item the tree is saved as (Orbax's default is ``"default"``).
@@ -119,6 +122,7 @@ class CheckpointManager:
         self._save_tree = SaveTree(save_tree)
         self._door: Door | None = None
         self._auto: AutoWindow | None = None
+        self.window_prediction: autok.PredictedWindow | None = None  # window="auto" from the program
         self._next_step: int | None = None  # version of the input state of the next step
         self._sent: WindowTicket | None = None  # the ticket given to the next step
         self._extras: list | None = None  # extras copied before the next step (doors that need it)
@@ -209,7 +213,10 @@ class CheckpointManager:
         batch)``); it returns at once. The variants compile while plain steps run, starting
         after the first step, so that two compiles of the whole step never hold their memory
         at the same time. ``step_fn`` must be a ``jax.jit``-ed function (it needs ``.lower``).
-        When ``window="auto"`` changes K, the new variants are compiled the same way.
+        With ``window="auto"`` on an accelerator, the step is first lowered here (traced, not
+        compiled) and K chosen from its flops (:func:`overlap_ckpt.autok.predict_window`),
+        so the variants compiled are those of the K every window will use. When
+        ``window="auto"`` changes K later (measured), the new variants compile the same way.
         """
         self._check_open()
         if self._door is None:
@@ -221,7 +228,27 @@ class CheckpointManager:
             raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
                             "prepared; pass the arguments of one call of the step, the state among them")
         self._ahead = (step_fn, *abstract_arguments(args, kwargs))
+        if self._auto is not None:
+            self._predict_window(next(a for a in args if self._door.is_state(a)))
         return self._compile_ahead()
+
+    def _predict_window(self, state: Any) -> None:
+        """``window="auto"``: K from the plain step's program, before any window. The
+        measurement still runs: a prediction rests on a datasheet and an assumed MFU, so
+        when the measured step gives another K, the windows after it use that one."""
+        step_fn, args, kwargs = self._ahead
+        plan = self.engine.plan
+        sharding = plan.params[0].sharding
+        with window_ticket(None):  # the user's own program, whatever the next step captures
+            lowered = step_fn.lower(*args, **kwargs)
+        state_bytes, grad_bytes = self._bytes_per_device()
+        predicted = autok.predict_window(lowered, next(iter(sharding.addressable_devices)),
+                                         len(sharding.device_set), state_bytes, grad_bytes,
+                                         self.persist_bytes_per_s, self._capture_interval)
+        if predicted is None:
+            return
+        self.window_prediction = predicted
+        self._use_window(predicted.k, state)
 
     def _compile_ahead(self) -> threading.Thread:
         step_fn, args, kwargs = self._ahead
@@ -468,18 +495,29 @@ class CheckpointManager:
             self._captured.append(self.engine.schedule.version(t, sent.phase))
 
     def _observe(self, state: Any, step: int) -> None:
-        plan = self.engine.plan
         leaf = jax.tree.leaves(self._door.parts(state).params)[0]
-        k = self._auto.observe(leaf, step, plan.state_bytes, plan.grad_bytes)
+        k = self._auto.observe(leaf, step, *self._bytes_per_device())
         if k is None:
             return
         self._auto = None
-        if k != self.engine.schedule.k:
-            self.engine.set_window(k)
-            parts = self._door.parts(state)
-            self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
-            if self._ahead is not None:
-                self._compile_ahead()
+        if self._use_window(k, state) and self._ahead is not None:
+            self._compile_ahead()
+
+    def _bytes_per_device(self) -> tuple[float, float]:
+        """State and gradient bytes one device copies in a window: this process's blocks
+        over its devices (each copies its own shards over its own link)."""
+        plan = self.engine.plan
+        devices = len(plan.params[0].sharding.addressable_devices)
+        return plan.state_bytes / devices, plan.grad_bytes / devices
+
+    def _use_window(self, k: int, state: Any) -> bool:
+        """Plan windows of ``k`` steps from the next one on; True when K changed."""
+        if k == self.engine.schedule.k:
+            return False
+        self.engine.set_window(k)
+        parts = self._door.parts(state)
+        self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
+        return True
 
     def _restorable(self, step: int | None) -> int:
         if step is not None:

@@ -2,8 +2,9 @@
 
 Not a user option. CI has no GPU, yet several branches run only on accelerators: the
 update isolated by an ``optimization_barrier`` (instead of the CPU's conditional),
-``window="auto"`` measuring the step and the device-to-host link and choosing K with the
-cost model (instead of K=1), window copies in another memory kind than the default one.
+``window="auto"`` choosing K with the cost model from the step's program on a known device
+or from measurements (instead of K=1), window copies in another memory kind than the
+default one.
 :func:`emulate_accelerator` makes those branches run here, with the machine-dependent
 measurements replaced by the given numbers::
 
@@ -21,7 +22,7 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-from typing import Iterator
+from typing import Any, Iterator
 
 from . import autok
 from .core import backend
@@ -29,20 +30,24 @@ from .core import backend
 
 @contextlib.contextmanager
 def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
-                        d2h_bytes_per_s: float = 25e9, outbox_memory: str = "pinned_host") -> Iterator[None]:
+                        d2h_bytes_per_s: float = 25e9, outbox_memory: str = "pinned_host",
+                        hardware: Any = None) -> Iterator[None]:
     """Within the block, devices follow ``platform``'s rules.
 
     ``step_time_s`` and ``d2h_bytes_per_s`` are what ``window="auto"`` measures;
-    ``outbox_memory`` is the memory kind window steps copy into.
+    ``outbox_memory`` is the memory kind window steps copy into; ``hardware`` (an
+    :class:`overlap_ckpt.aot.targets.Hardware`) the numbers of the device it predicts
+    from (None: an unknown device, so ``window="auto"`` measures).
     """
-    saved = (backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth)
+    saved = (backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth, autok.hardware_of)
     ticks = itertools.count()
     backend.emulated = platform
     # Every reading advances by the time of the steps AutoWindow measures between two readings.
     autok.clock = lambda: next(ticks) * step_time_s * autok.MEASURE_STEPS
     autok.measure_bandwidth = lambda device: d2h_bytes_per_s
     backend.emulated_memory = outbox_memory
+    autok.hardware_of = lambda device: hardware
     try:
         yield
     finally:
-        backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth = saved
+        backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth, autok.hardware_of = saved

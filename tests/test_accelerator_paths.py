@@ -12,6 +12,7 @@ import pytest
 
 import overlap_ckpt as oc
 from overlap_ckpt import autok, costmodel
+from overlap_ckpt.aot.targets import Hardware
 from overlap_ckpt.testing import emulate_accelerator
 
 from conftest import assert_bitwise, assert_within_ulps, check_windows, make_params, run_loop
@@ -64,6 +65,79 @@ def test_window_auto_picks_the_k_the_cost_model_gives(tmp_path):
                 saved = mngr.restore(version)
                 assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")
     assert autok.MEASURE_STEPS < interval
+
+
+def test_window_auto_predicts_k_from_the_steps_program_before_the_first_window(tmp_path):
+    """On a device whose numbers are known, compile_ahead chooses K from the step's flops:
+    the first window already has K phases. Reference: the cost model run directly on the
+    flops of the step compiled without overlap_ckpt. The measurement that follows says
+    the same step time here, so K stays."""
+    tx = optax.adam(1e-3)
+    interval, mfu = 20, autok.MFU
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    # Slow enough that one step cannot hide the copy of the state: K must leave 1.
+    hardware = Hardware(peak_flops=2e7, hbm_bytes_per_s=1e12, host_link_bytes_per_s=2e6,
+                        device_memory_bytes=1e12, sources="a made-up device")
+    flops = jax.jit(_step.__wrapped__).lower(_train_state(tx), x).compile().cost_analysis()["flops"]
+    step_time = flops / (hardware.peak_flops * mfu)
+    with emulate_accelerator("gpu", hardware=hardware, step_time_s=step_time,
+                             d2h_bytes_per_s=hardware.host_link_bytes_per_s):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
+            state = mngr.prepare(_train_state(tx))
+            plan = mngr.engine.plan
+            want = costmodel.choose_k(costmodel.TrainingProfile(
+                step_time_s=step_time, d2h_bytes_per_s=hardware.host_link_bytes_per_s,
+                state_bytes=plan.state_bytes, grad_bytes=plan.grad_bytes,
+                persist_bytes_per_s=mngr.persist_bytes_per_s), interval_steps=interval)
+            assert want > 1, "the numbers must make auto-K leave K=1, or this test proves nothing"
+            mngr.compile_ahead(_step, state, x)  # the prediction is made here, before any step
+            assert mngr.engine.schedule.k == want
+            assert mngr.window_prediction.k == want
+            # From the lowered program's flops: the optimized one's differ by a few (fusion).
+            assert mngr.window_prediction.step_time_s == pytest.approx(step_time, rel=1e-2)
+            phases, references = [], {}
+            for t in range(2 * interval + 1):
+                if mngr.next_window_phase is not None:
+                    phases.append(mngr.next_window_phase)
+                state = mngr.step(_step(state, x * (t + 1) / 10))
+                if (t + 1) % interval == 0:
+                    references[t + 1] = jax.device_get((state.params, state.opt_state))
+            assert phases == [*range(want), *range(want)], "the windows did not run with the predicted K"
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [interval, 2 * interval]
+            for version, ref in references.items():
+                saved = mngr.restore(version)
+                assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")
+
+
+def test_window_auto_measurement_corrects_a_wrong_prediction(tmp_path):
+    """The datasheet says the step is short (K=7), the device measures a long one (K=1):
+    the windows after the measurement (here all: it ends before the first) use K=1."""
+    hardware = Hardware(peak_flops=2e7, hbm_bytes_per_s=1e12, host_link_bytes_per_s=2e6,
+                        device_memory_bytes=1e12, sources="a made-up device")
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    with emulate_accelerator("gpu", hardware=hardware, step_time_s=10.0, d2h_bytes_per_s=2e6):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=20, window="auto") as mngr:
+            state = mngr.prepare(_train_state(optax.adam(1e-3)))
+            mngr.compile_ahead(_step, state, x)
+            predicted = mngr.window_prediction.k
+            assert predicted > 1 and mngr.engine.schedule.k == predicted
+            phases = []
+            for t in range(61):
+                if mngr.next_window_phase is not None:
+                    phases.append(mngr.next_window_phase)
+                state = mngr.step(_step(state, x))
+            assert mngr.engine.schedule.k == 1
+            assert phases == [0, 0, 0]
+
+
+def test_window_auto_measures_on_a_device_it_has_no_numbers_for(tmp_path):
+    with emulate_accelerator("gpu", step_time_s=0.01, d2h_bytes_per_s=2e6, hardware=None):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=20, window="auto") as mngr:
+            x = jnp.ones((4, 64))
+            state = mngr.prepare(_train_state(optax.adam(1e-3)))
+            mngr.compile_ahead(_step, state, x)
+            assert mngr.window_prediction is None and mngr.engine.schedule.k == 1  # until measured
 
 
 def test_window_copies_in_another_memory_kind_stay_exact():

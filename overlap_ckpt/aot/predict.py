@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autok
+from .. import autok, costmodel
 from .targets import Target
 from .window import WindowReport
 
@@ -51,9 +51,7 @@ def step_cost(report: WindowReport, flops_hint: float | None = None, mfu: float 
                              "(per-device flops of one step)")
         flops, source = flops_hint, "caller's estimate (no cost analysis from this compiler)"
     hbm = report.plain.bytes_accessed if report.plain.flops else None
-    t = flops / (target.peak_flops * mfu)
-    if hbm:
-        t = max(t, hbm / target.hbm_bytes_per_s)
+    t = costmodel.predicted_step_time_s(flops, target.peak_flops, mfu, hbm, target.hbm_bytes_per_s)
     return StepCost(flops, hbm, t, source)
 
 

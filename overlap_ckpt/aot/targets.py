@@ -69,6 +69,51 @@ def get_target(name: str, *, host_gbps: float | None = None) -> Target:
                       f"<generation>:<shape> with generation in {sorted(_TPU)} (e.g. v5e:2x2)")
 
 
+@dataclasses.dataclass(frozen=True)
+class Hardware:
+    """The per-device numbers of an accelerator that the stall prediction needs."""
+
+    peak_flops: float  # dense bf16
+    hbm_bytes_per_s: float
+    host_link_bytes_per_s: float  # device -> host
+    device_memory_bytes: float
+    sources: str  # where the numbers come from, for reports
+
+
+def tpu_hardware(generation: str, host_gbps: float | None = None) -> Hardware:
+    flops, hbm, memory = _TPU[generation]
+    host = host_gbps * GB if host_gbps else TPU_HOST_LINK_BYTES_PER_S
+    return Hardware(flops, hbm, host, memory,
+                    f"TPU {generation}: bf16 peak {flops / 1e12:.0f} TFLOP/s, HBM {hbm / GB:.0f} GB/s "
+                    f"(Cloud TPU docs); host link {host / GB:.0f} GB/s per chip "
+                    f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
+
+
+def h100_hardware(host_gbps: float | None = None) -> Hardware:
+    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
+    return Hardware(gpu_specs.H100_BF16_FLOPS, gpu_specs.H100_HBM_BYTES_PER_S, host,
+                    gpu_specs.H100_DEVICE_MEMORY_BYTES,
+                    f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s, "
+                    f"bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
+                    f"{host / GB:.1f} GB/s ({'given' if host_gbps else 'pcie_bandwidth of the spec'})")
+
+
+# jax's device_kind of each TPU generation (compile-only topologies report the same).
+_TPU_KINDS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5": "v5p", "tpu v5p": "v5p",
+              "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
+
+
+def hardware_of(device: Any) -> Hardware | None:
+    """The numbers of a real (or compile-only) device from its ``device_kind``; None for a
+    kind this module has no figures for (``window="auto"`` then measures instead)."""
+    kind = str(getattr(device, "device_kind", "")).strip().lower()
+    if kind in _TPU_KINDS:
+        return tpu_hardware(_TPU_KINDS[kind])
+    if "h100" in kind:
+        return h100_hardware()
+    return None
+
+
 def _tpu_target(name: str, generation: str, host_gbps: float | None) -> Target:
     from jax.experimental import topologies
 
@@ -82,12 +127,12 @@ def _tpu_target(name: str, generation: str, host_gbps: float | None) -> Target:
         topology = topologies.get_topology_desc(platform="tpu", topology_name=name)
     except Exception as e:  # noqa: BLE001 - libtpu's errors name the bad topology
         raise TargetError(f"libtpu cannot describe TPU topology {name!r}: {e}") from e
-    flops, hbm, memory = _TPU[generation]
-    host = host_gbps * GB if host_gbps else TPU_HOST_LINK_BYTES_PER_S
-    return Target(name, "tpu", tuple(topology.devices), hbm, host, flops, memory,
-                  f"TPU {generation}: bf16 peak {flops / 1e12:.0f} TFLOP/s, HBM {hbm / GB:.0f} GB/s "
-                  f"(Cloud TPU docs); host link {host / GB:.0f} GB/s per chip "
-                  f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
+    return _target(name, "tpu", topology.devices, tpu_hardware(generation, host_gbps))
+
+
+def _target(name: str, platform: str, devices: Any, hw: Hardware) -> Target:
+    return Target(name, platform, tuple(devices), hw.hbm_bytes_per_s, hw.host_link_bytes_per_s, hw.peak_flops,
+                  hw.device_memory_bytes, hw.sources)
 
 
 def _h100_target(host_gbps: float | None) -> Target:
@@ -101,12 +146,7 @@ def _h100_target(host_gbps: float | None) -> Target:
             "target 'h100' needs jax's CUDA plugin registered without a GPU: install it with "
             f"{INSTALL_HINT} and start Python with JAX_PLATFORMS=cpu (the plugin then skips its "
             "CUDA runtime check; compiling needs no GPU)") from None
-    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
-    return Target("h100", "gpu", tuple(topology.devices), gpu_specs.H100_HBM_BYTES_PER_S, host,
-                  gpu_specs.H100_BF16_FLOPS, gpu_specs.H100_DEVICE_MEMORY_BYTES,
-                  f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s, "
-                  f"bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
-                  f"{host / GB:.1f} GB/s ({'given' if host_gbps else 'pcie_bandwidth of the spec'})")
+    return _target("h100", "gpu", topology.devices, h100_hardware(host_gbps))
 
 
 def _cpu_target(host_gbps: float | None) -> Target:
