@@ -12,7 +12,9 @@ checkpoint would need training steps that will not happen. Then the process exit
 With a local tier (``CheckpointManager(local=LocalTier(...))``), the newest local step is
 then copied to the durable tier when it is newer than every durable step, within the same
 deadline: the replacement job on other hosts resumes from it rather than from the last
-``save_interval_steps`` checkpoint. The report says so::
+``save_interval_steps`` checkpoint. With N processes the copy is collective (each process
+writes its own blocks; :meth:`overlap_ckpt.tiers.TieredStore.promote_newest`), so every
+process must get the signal at the same step of the loop (docs/tiers.md). The report says so::
 
     overlap_ckpt: SIGTERM: last committed step 30 (drained in 0.35s; local step 30 copied to the durable tier)
 

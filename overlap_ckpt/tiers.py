@@ -16,10 +16,12 @@ reference to the local store and, on durable steps, to the durable store too; th
 released once both have written it.
 
 Multi-process jobs: each process keeps its own shards in its own local directory
-(``<path>/process_<i>``, written with no barriers: node-local storage is not shared), so a
-local step is complete only where every process committed it. :meth:`TieredStore.newest_step`
-agrees through ``jax.distributed``'s key-value store on the newest step complete on every
-process, or else the newest durable step.
+(``<path>/process_<i>``, written with no barriers: node-local storage is not shared) and,
+with ``replicas=R``, the local steps of R peers (:mod:`overlap_ckpt.peers`), so a local
+step is complete where every process's shards are in some process's local tier.
+:meth:`TieredStore.newest_step` agrees through ``jax.distributed``'s key-value store on the
+newest step complete everywhere, or else the newest durable step; a process whose own copy
+is gone gets it from the peer holding its replica.
 """
 
 from __future__ import annotations
@@ -28,17 +30,14 @@ import dataclasses
 import hashlib
 import itertools
 import json
-import logging
 import os
 import tempfile
 import threading
-from typing import Any
+from typing import Any, NamedTuple
 
 from .errors import ConfigError
+from .peers import TIER_KEY, PeerReplicas, intact_steps, writer_tag
 
-log = logging.getLogger(__name__)
-
-_TIER_KEY = "local_tier"  # custom step metadata: which process of how many wrote the step
 _instances = itertools.count()  # key-value namespaces: stores are built in the same order everywhere
 _AGREE_TIMEOUT_MS = 300_000
 
@@ -53,22 +52,35 @@ class LocalTier:
       every: write the consistent host copy here every ``every`` steps; the manager's
         ``save_interval_steps`` must be a multiple of it (the durable steps are a subset).
       max_to_keep: local steps kept (each holds a full copy of this process's shards in
-        node memory when ``path`` is on tmpfs).
+        node memory when ``path`` is on tmpfs), and replica steps kept per peer.
+      replicas: with N processes, each process also holds the local steps of this many
+        peers (``0 < replicas < N``), so that the local tier survives the loss of up to
+        ``replicas`` consecutive hosts (:mod:`overlap_ckpt.peers`); each costs one more copy
+        of a process's shards per kept step in node memory.
     """
 
     path: str | os.PathLike | None = None
     every: int = 10
     max_to_keep: int = 2
+    replicas: int = 0
 
     def __post_init__(self) -> None:
-        for name in ("every", "max_to_keep"):
+        for name, least in (("every", 1), ("max_to_keep", 1), ("replicas", 0)):
             value = getattr(self, name)
-            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-                raise ConfigError(f"LocalTier.{name} must be an int >= 1, got {value!r}")
+            if isinstance(value, bool) or not isinstance(value, int) or value < least:
+                raise ConfigError(f"LocalTier.{name} must be an int >= {least}, got {value!r}")
         if self.path is not None and (not isinstance(self.path, (str, os.PathLike))
                                       or "://" in os.fspath(self.path)):
             raise ConfigError(f"LocalTier.path must be a node-local directory path, got {self.path!r}; "
                               "object stores belong in the durable directory")
+
+    def check_processes(self, process_count: int) -> None:
+        """Replicas live on other processes: each needs a distinct peer."""
+        if self.replicas >= max(process_count, 1) or (self.replicas and process_count < 2):
+            raise ConfigError(
+                f"LocalTier(replicas={self.replicas}) needs more than {self.replicas} processes, but this "
+                f"job has {process_count}: pass replicas <= {max(process_count - 1, 0)} (each replica is "
+                "held by another process, through jax.distributed; call jax.distributed.initialize first)")
 
     def check_interval(self, save_interval_steps: int | None) -> None:
         if save_interval_steps is not None and save_interval_steps % self.every:
@@ -109,10 +121,19 @@ class TieredStore:
             self.process_index, self.process_count = jax.process_index(), jax.process_count()
         else:
             self.process_index, self.process_count = 0, 1
+        tier.check_processes(self.process_count)
         self._namespace = f"overlap_ckpt/tiers/{next(_instances)}"
         self._agreements = itertools.count()
         self._local_dir = tier.directory(durable.directory, self.process_index, self.process_count)
+        self._tag = writer_tag(self.process_index, self.process_count)
         self.local = self._open_local()
+        self.peers = None if not tier.replicas else PeerReplicas(
+            self._client, f"{self._namespace}/peers", process_index=self.process_index,
+            process_count=self.process_count, replicas=tier.replicas, own_dir=self._local_dir,
+            own_steps=self._committed_local, item_name=durable.item_name, max_to_keep=tier.max_to_keep)
+        if self.peers is not None and not durable.read_only:
+            self.peers.start()
+        self._layouts: dict[int, tuple[Any, list[_PutLeaf]]] = {}  # local step -> what this process put
         self._nbytes: dict[int, int] = {}  # step -> bytes of its host copy (one copy, both tiers)
         self._entering: set[int] = set()  # steps being handed to the tiers (not pending yet)
         self._lock = threading.Lock()  # the engine thread puts, the training thread asks held_bytes
@@ -138,8 +159,7 @@ class TieredStore:
                 self._entering.discard(step)
 
     def _put_tiers(self, step: int, tree: Any, metadata: dict | None, durable: bool) -> None:
-        tagged = {**(metadata or {}), _TIER_KEY: {"process": self.process_index,
-                                                  "processes": self.process_count}}
+        tagged = {**(metadata or {}), TIER_KEY: self._tag}
         first_error = None
         for store, meta, wanted in ((self.local, tagged, True), (self.durable, metadata, durable)):
             if not wanted:
@@ -148,6 +168,12 @@ class TieredStore:
                 store.put(step, tree, meta)
             except Exception as e:  # noqa: BLE001 - the other tier still gets its copy
                 first_error = first_error or e
+        if self.process_count > 1:
+            self._layouts[step] = _blocks_of(tree)
+            for old in sorted(self._layouts)[:-(self.tier.max_to_keep + 2)]:  # + steps still queued
+                del self._layouts[old]
+        if self.peers is not None:
+            self.peers.notify()
         if first_error is not None:
             raise first_error
 
@@ -182,30 +208,26 @@ class TieredStore:
         return self.durable.read_only
 
     def take_errors(self) -> list:
-        return self.local.take_errors() + self.durable.take_errors()
+        peers = self.peers.take_errors() if self.peers is not None else []
+        return self.local.take_errors() + self.durable.take_errors() + peers
 
     def flush(self) -> None:
+        """Wait for both tiers' writes and for the newest local step's replicas."""
         self.local.flush()
         self.durable.flush()
+        if self.peers is not None:
+            self.peers.flush()
+
+    def _committed_local(self) -> tuple[Any, list[int]]:
+        """The replication sender's view: local writes done, then the intact local steps."""
+        self.local.flush()
+        return self.local.location, self.local_steps()
 
     # -- queries and restore -----------------------------------------------------------------
     def local_steps(self) -> list[int]:
         """Local steps this process can restore: committed, metadata intact, written by this
         process of a job of this size (a torn write is never committed, so never listed)."""
-        from .storage import CheckpointError, layout, restore
-
-        steps = []
-        for step in self.local.all_steps():
-            try:
-                meta = restore.open_step(self.local.location, step, layout.step_dir(step),
-                                         self.local.item_name).custom_metadata
-            except CheckpointError as e:
-                log.warning("local-tier step %d in %s is damaged (%s); not used", step,
-                            self.local.directory, e)
-                continue
-            if (meta or {}).get(_TIER_KEY) == {"process": self.process_index, "processes": self.process_count}:
-                steps.append(step)
-        return steps
+        return intact_steps(self.local.location, self.local.all_steps(), self.local.item_name, self._tag)
 
     def all_steps(self) -> list[int]:
         return sorted(set(self.local.all_steps()) | set(self.durable.all_steps()))
@@ -219,16 +241,17 @@ class TieredStore:
 
     def newest_step(self) -> int:
         """The newest step every process can restore: from the local tiers when every
-        process holds it, else the newest intact durable step. Collective in a
-        multi-process job (every process must call it, in the same order)."""
+        process's shards of it are in some process's local tier (its own or a peer's
+        replica), else the newest intact durable step. Collective in a multi-process job
+        (every process must call it, in the same order)."""
         from .storage import CheckpointNotFoundError, CorruptCheckpointError
 
         try:
             durable = self.durable.latest_intact_step()
         except (CheckpointNotFoundError, CorruptCheckpointError):
             durable = None
-        views = self._exchange({"local": self.local_steps(), "durable": durable})
-        common = set.intersection(*(set(v["local"]) for v in views))
+        views = self._exchange({**self._local_view(), "durable": durable})
+        common = set.intersection(*_available(views).values())
         durables = [v["durable"] for v in views]
         durable = None if None in durables else min(durables)
         best = max([s for s in (max(common, default=None), durable) if s is not None], default=None)
@@ -239,22 +262,34 @@ class TieredStore:
         return best
 
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> tuple[Any, dict]:
-        """Read ``step`` (:meth:`newest_step` when None) from the local tier when every
-        process holds it there, else from the durable tier. Collective in a multi-process
-        job: each process reads the blocks it owned and jax's collectives place the
-        replicated ones (:mod:`overlap_ckpt.tier_restore`); that needs ``target``."""
+        """Read ``step`` (:meth:`newest_step` when None) from the local tiers when every
+        process's shards of it are there, else from the durable tier. Collective in a
+        multi-process job: a process whose own copy is gone first gets it from the peer
+        holding its replica, then each process reads the blocks it owned and jax's
+        collectives place the replicated ones (:mod:`overlap_ckpt.tier_restore`); that
+        needs ``target``."""
         step = self.newest_step() if step is None else int(step)
         self._drop_local_after(step)
-        everywhere = step in set.intersection(*(set(v) for v in self._exchange(self.local_steps())))
-        if not everywhere or (target is None and self.process_count > 1):
+        agreement = next(self._agreements)
+        sources = _sources(self._exchange(self._local_view()), step)
+        if None in sources.values() or (target is None and self.process_count > 1):
             return self.durable.restore(step, target, **kwargs)
+        if any(q != p for p, q in sources.items()):
+            self.peers.hand_over(step, sources, self.local.location, agreement)
+            self.local.close()
+            self.local = self._open_local()  # it lists the step installed behind its back
         if self.process_count == 1:
             tree, meta = self.local.restore(step, target, **kwargs)
         else:
             from .tier_restore import owned_target, spread
             tree, meta = self.local.restore(step, owned_target(target), **kwargs)
             tree = spread(tree, target)
-        return tree, {k: v for k, v in (meta or {}).items() if k != _TIER_KEY}
+        return tree, {k: v for k, v in (meta or {}).items() if k != TIER_KEY}
+
+    def _local_view(self) -> dict[str, Any]:
+        """What this process can give a local restore: its own steps and the replicas it holds."""
+        held = self.peers.held_steps() if self.peers is not None else {}
+        return {"local": self.local_steps(), "held": {str(j): steps for j, steps in held.items()}}
 
     def _drop_local_after(self, step: int) -> None:
         """Delete local steps newer than the one the job resumes from: training goes on from
@@ -262,8 +297,12 @@ class TieredStore:
         with) the one of the abandoned run. The store is reopened so that it forgets them."""
         from .storage import commit
 
+        if self.read_only:
+            return
+        if self.peers is not None:
+            self.peers.drop_after(step)
         newer = [s for s in self.local.all_steps() if s > step]
-        if self.read_only or not newer:
+        if not newer:
             return
         self.local.close()
         for s in newer:
@@ -287,18 +326,49 @@ class TieredStore:
     # -- preemption and lifetime -----------------------------------------------------------
     def promote_newest(self) -> int | None:
         """Copy the newest local step to the durable tier if it is newer than every durable
-        step (on preemption); returns the step queued, or None. Single process only: in a
-        multi-process job each local tier holds one process's shards, and rebuilding the
-        durable step from them needs every process's target shardings."""
-        if self.process_count > 1 or self.read_only:
+        step (on preemption); returns the step queued, or None. Collective with N processes:
+        they agree on the newest step each holds itself, and each writes the blocks it put
+        there (read back from its local tier) to the durable step, which the durable store
+        commits once every process wrote its part."""
+        if self.read_only:
             return None
-        local = self.local_steps()
+        promotable = self.local_steps()
+        if self.process_count > 1:  # a step restored from, not written by, this run: no layout
+            promotable = [s for s in promotable if s in self._layouts]
         durable = self.durable.all_steps() + self.durable.pending_steps()
-        if not local or (durable and max(durable) >= local[-1]):
+        views = self._exchange({"local": promotable, "durable": max(durable, default=None)})
+        step = max(set.intersection(*(set(v["local"]) for v in views)), default=None)
+        newest_durable = max((v["durable"] for v in views if v["durable"] is not None), default=None)
+        if step is None or (newest_durable is not None and newest_durable >= step):
             return None
-        tree, meta = self.restore(local[-1])
-        self.durable.put(local[-1], tree, meta)
-        return local[-1]
+        tree, meta = self.restore(step) if self.process_count == 1 else self._read_own_blocks(step)
+        self.durable.put(step, tree, meta)
+        return step
+
+    def _read_own_blocks(self, step: int) -> tuple[Any, dict]:
+        """The tree this process put as local step ``step``, its blocks read back from the
+        local tier (only this process's, as the capture handed them over)."""
+        from .hostarray import HostArray, HostShard, index_from_key
+        from .storage import layout, restore
+
+        treedef, leaves = self._layouts[step]
+        view = restore.open_step(self.local.location, step, layout.step_dir(step), self.local.item_name)
+        stores = restore.open_arrays(view, [leaf.name for leaf in leaves if leaf.kind != "empty"],
+                                     self.local.context)
+        reads = [[(index_from_key(k), stores[leaf.name][index_from_key(k)].read()) for k in leaf.blocks]
+                 for leaf in leaves]  # every read in flight at once
+        values = []
+        for leaf, blocks in zip(leaves, reads):
+            if leaf.kind == "empty":
+                values.append(leaf.node)
+                continue
+            host = HostArray(leaf.shape, leaf.dtype, [HostShard(index, read.result()) for index, read in blocks])
+            if leaf.kind == "host":
+                values.append(host)
+            else:
+                values.append(host.to_numpy().item() if leaf.kind == "scalar" else host.to_numpy())
+        meta = {k: v for k, v in (view.custom_metadata or {}).items() if k != TIER_KEY}
+        return treedef.unflatten(values), meta
 
     def release_lock(self) -> None:
         self.local.release_lock()
@@ -306,6 +376,8 @@ class TieredStore:
 
     def close(self) -> None:
         try:
+            if self.peers is not None:
+                self.peers.close()
             self.local.close()
         finally:
             self.durable.close()
@@ -332,6 +404,57 @@ class TieredStore:
                     f"process {p} did not report its local-tier steps within {_AGREE_TIMEOUT_MS // 1000} s: "
                     "every process must restore (or ask for the newest step) at the same point") from e
         return views
+
+
+def _available(views: list[dict]) -> dict[int, set[int]]:
+    """Per process, the local steps whose shards of that process are in some process's
+    local tier (its own, or a replica a peer holds)."""
+    available = {p: set(v["local"]) for p, v in enumerate(views)}
+    for view in views:
+        for source, steps in view["held"].items():
+            available[int(source)] |= set(steps)
+    return available
+
+
+def _sources(views: list[dict], step: int) -> dict[int, int | None]:
+    """Per process, where its shards of local step ``step`` are read from: itself when it
+    has its own copy, else the first peer holding its replica, else None (durable tier)."""
+    return {p: p if step in v["local"] else
+            min((q for q, w in enumerate(views) if step in w["held"].get(str(p), [])), default=None)
+            for p, v in enumerate(views)}
+
+
+class _PutLeaf(NamedTuple):
+    """One leaf of a local step as this process put it: enough to read it back."""
+
+    kind: str  # "host" (a HostArray), "numpy", "scalar" (a Python number), "empty" (an empty node)
+    name: str = ""  # the saved array's name
+    shape: tuple[int, ...] = ()
+    dtype: Any = None
+    blocks: tuple = ()  # index keys of the blocks this process wrote
+    node: Any = None  # the empty node itself
+
+
+def _blocks_of(tree: Any) -> tuple[Any, list[_PutLeaf]]:
+    """What a promotion needs to read a local step back as the tree that was put: its
+    structure and each leaf's blocks (no data: the local tier holds that)."""
+    import jax
+
+    from .hostarray import HostArray, index_key
+    from .storage.tree import as_host_array, is_empty_node, key_name_and_type
+
+    flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
+    leaves = []
+    for path, leaf in flat:
+        if is_empty_node(leaf):
+            leaves.append(_PutLeaf("empty", node=leaf))
+            continue
+        host = as_host_array(leaf)
+        kind = "host" if isinstance(leaf, HostArray) else \
+            "scalar" if isinstance(leaf, (bool, int, float, complex)) else "numpy"
+        leaves.append(_PutLeaf(kind, ".".join(key_name_and_type(k)[0] for k in path), host.shape, host.dtype,
+                               tuple(index_key(s.index) for s in host.shards)))
+    return treedef, leaves
 
 
 def _tree_nbytes(tree: Any) -> int:

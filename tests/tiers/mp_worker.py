@@ -4,7 +4,11 @@ The reliability suite's MLP (tests/faults/worker.py), FSDP over the job's device
 process): every parameter split over the ``data`` axis, the step replicated. Trained
 through ``CheckpointManager(local=LocalTier(<local>, every=2))``, durable every 6 steps; each
 process's local tier is ``<local>/process_<i>``. ``--resume`` restores the newest step
-complete everywhere (the processes agree) onto the training shardings.
+complete everywhere (the processes agree) onto the training shardings. ``--replicas R``:
+each process also holds R peers' local steps. Faults at the end of step ``T``, on every
+process, once every checkpoint handed over so far is written and replicated (the window of
+the next local step is open): ``--kill-at T`` (SIGKILL), ``--preempt-at T`` (SIGTERM, with
+``overlap_ckpt.preemption`` installed).
 
 stdout: JSON lines ``resumed`` (step), ``step`` (loss bits), ``done``.
 """
@@ -14,6 +18,7 @@ from __future__ import annotations
 import argparse
 import functools
 import os
+import signal
 import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -63,6 +68,9 @@ def main() -> int:
     ap.add_argument("--steps", type=int, required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--window", type=int, default=WINDOW)
+    ap.add_argument("--replicas", type=int, default=0)
+    ap.add_argument("--kill-at", type=int)
+    ap.add_argument("--preempt-at", type=int)
     args = ap.parse_args()
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.nprocs,
                                process_id=args.pid, initialization_timeout=30, heartbeat_timeout_seconds=60)
@@ -76,8 +84,12 @@ def main() -> int:
     replicated = NamedSharding(mesh, P())
 
     with oc.CheckpointManager(args.dir, save_interval_steps=INTERVAL, window=args.window, max_to_keep=KEEP,
-                              local=oc.LocalTier(args.local, every=EVERY, max_to_keep=KEEP)) as mngr:
+                              local=oc.LocalTier(args.local, every=EVERY, max_to_keep=KEEP,
+                                                 replicas=args.replicas)) as mngr:
         fresh = sharded_state(mesh)
+        if args.preempt_at is not None:
+            from overlap_ckpt import preemption
+            preemption.install(mngr, deadline_s=60)
 
         # The state keeps its shardings from step to step, as an FSDP loop declares them.
         @functools.partial(jax.jit, out_shardings=(jax.tree.map(lambda x: x.sharding, fresh), replicated),
@@ -94,6 +106,10 @@ def main() -> int:
             state, loss = train_step(state, x, y)
             state = mngr.step(state)
             emit(ev="step", t=t, loss=loss_bits(np.asarray(loss.addressable_shards[0].data)))
+            if t in (args.kill_at, args.preempt_at):
+                mngr.wait_until_finished()
+                distributed_client().wait_at_barrier("tiers_mp_worker:fault", 60_000)
+                os.kill(os.getpid(), signal.SIGKILL if t == args.kill_at else signal.SIGTERM)
     distributed_client().wait_at_barrier("tiers_mp_worker:done", 60_000)
     emit(ev="done", pid=args.pid)
     return 0

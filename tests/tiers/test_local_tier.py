@@ -193,12 +193,20 @@ def test_a_host_copy_in_both_tiers_is_held_once(tmp_path):
     lambda d: LocalTier("s3://bucket/run"),
     lambda d: CheckpointManager(d / "c", save_interval_steps=5, local=LocalTier(d / "l", every=2)),
     lambda d: CheckpointManager(d / "c", save_interval_steps=4, local={"path": str(d / "l")}),
+    lambda d: LocalTier(d, replicas=-1),
 ])
 def test_bad_configuration_is_refused_at_construction(make, tmp_path):
     with pytest.raises(ConfigError):
         make(tmp_path)
     assert not (tmp_path / "c").exists() or not (tmp_path / "c" / ".overlap_ckpt.lock").exists() or \
         CheckpointManager(tmp_path / "c", save_interval_steps=4).close() is None  # the lock was not kept
+
+
+def test_replicas_without_peers_are_refused_at_construction(tmp_path):
+    # A replica lives on another process: a single-process job has none to give it to.
+    with pytest.raises(ConfigError, match=r"replicas <= 0 .*jax.distributed"):
+        CheckpointManager(tmp_path / "c", save_interval_steps=4, local=LocalTier(tmp_path / "l", every=2, replicas=1))
+    CheckpointManager(tmp_path / "c", save_interval_steps=4).close()  # the durable lock was released
 
 
 def _train(mngr, state, start: int, stop: int):

@@ -1,0 +1,379 @@
+"""Peer replicas of the local tier: each process also keeps the local-tier steps of
+``replicas`` other processes, so that the shards of a lost host survive on a peer.
+
+Why: a local tier on tmpfs survives a crashed process, not a lost host (a replaced machine,
+a reboot that clears ``/dev/shm``). With ``LocalTier(replicas=R)`` process ``i`` also holds
+the committed local steps of processes ``i+1 .. i+R`` (mod N), byte for byte, under
+``<its local directory>/replicas/process_<j>/<step>``: the same Orbax layout, committed with
+the same atomic protocol (tmp directory, fsync, rename) and listed only when its metadata
+reads back, it was written by process ``j`` of a job of this size and every file has the
+size it had on ``j``. A restore then finds every process's shards of a step in some
+process's local tier as long as no R+1 consecutive processes are lost.
+
+Transport: jax.distributed's key-value store (the coordination service the job already
+runs), with bytes values. A committed step directory travels as a tar archive in parts of
+at most 64 MiB, with its sha256 checked on arrival. Why not jax's CPU collectives: a
+collective issued from a background thread may be launched before the training step's own
+collectives on one process and after them on another (the CPU client runs one collective
+program at a time: a deadlock when training runs on the CPU backend), and one issued from
+the training thread would stall training for the whole transfer. Key-value calls are plain
+RPCs, safe from any thread. The cost: the bytes pass through the coordinator (process 0),
+which holds at most one step per sending process at a time (deleted once every holder has
+acknowledged it).
+
+Replication runs in the background: after a local step commits, a sender thread publishes
+the newest committed step (older ones it has not sent yet are skipped: only the newest
+matters to a restore) and waits for the holders' acknowledgements; one receiver thread per
+source process installs what arrives. A replica that failed (a full tmpfs, a corrupt
+transfer, a holder that never answered) is reported as a :class:`CheckpointError` at the
+next ``mngr.step``, like a failed write.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import io
+import json
+import logging
+import os
+import tarfile
+import threading
+import time
+from typing import Any, Callable
+
+from .storage import CheckpointError, CorruptCheckpointError, commit, layout, restore
+from .storage.coordination import _is_timeout
+from .storage.location import LocalLocation
+
+log = logging.getLogger(__name__)
+
+TIER_KEY = "local_tier"  # custom step metadata: which process of how many wrote the step
+SIZES = "_overlap_ckpt_replica.json"  # in a replica's step directory: each file's size on its writer
+_PART_BYTES = 64 << 20  # key-value values stay far below gRPC message limits
+_POLL_MS = 1000  # receivers look for new steps (and for close) this often
+TIMEOUT_S = 300.0  # a peer that does not answer a transfer within this is reported
+
+OwnSteps = Callable[[], tuple[LocalLocation, list[int]]]
+
+
+def writer_tag(process: int, processes: int) -> dict[str, int]:
+    """The custom metadata a local-tier step carries: who wrote it, in a job of which size."""
+    return {"process": process, "processes": processes}
+
+
+def intact_steps(location: LocalLocation, steps: list[int], item_name: str, tag: dict[str, int]) -> list[int]:
+    """The committed ``steps`` of ``location`` that read back and were written by ``tag``'s
+    process: a damaged or foreign step is logged and left out, never chosen."""
+    good = []
+    for step in steps:
+        try:
+            meta = restore.open_step(location, step, layout.step_dir(step), item_name).custom_metadata
+            _check_sizes(location, step)
+        except CheckpointError as e:
+            log.warning("local-tier step %d in %s is damaged (%s); not used", step, location.url, e)
+            continue
+        if (meta or {}).get(TIER_KEY) == tag:
+            good.append(step)
+    return good
+
+
+def _check_sizes(location: LocalLocation, step: int) -> None:
+    """A replica records the size of each of its files on the writer: a truncated or lost
+    file (a torn copy) fails here, before a restore would read it."""
+    raw = location.read_bytes(f"{layout.step_dir(step)}/{SIZES}", layout.MAX_METADATA_BYTES)
+    if raw is None:
+        return  # this process's own step: the store's own write protocol covers it
+    for rel, size in layout.loads(raw, location.describe(SIZES)).items():
+        path = location.path(f"{layout.step_dir(step)}/{rel}")
+        if not path.is_file() or path.stat().st_size != size:
+            raise CorruptCheckpointError(f"{path} is missing or not {size} bytes: the replica is torn",
+                                         step=step, path=str(path))
+
+
+def pack(location: LocalLocation, step: int) -> bytes:
+    """The committed step directory ``step`` of ``location`` as a tar archive."""
+    buffer = io.BytesIO()
+    with tarfile.open(fileobj=buffer, mode="w") as tar:
+        tar.add(location.path(layout.step_dir(step)), arcname=layout.step_dir(step))
+    return buffer.getvalue()
+
+
+def install(location: LocalLocation, step: int, archive: bytes) -> None:
+    """Write :func:`pack`'s archive as committed step ``step`` of ``location``, atomically
+    (replacing a committed step of that number, which a restarted job writes again)."""
+    work, name = commit.working_dir(location, step), layout.step_dir(step)
+    commit.delete_incomplete(location, step)
+    sizes = {}
+    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+        for member in tar:
+            top, _, rel = member.name.partition("/")
+            if top != name or (not member.isdir() and not member.isfile()):
+                raise CheckpointError(f"the replica archive of step {step} holds {member.name!r}, "
+                                      f"not a file of step directory {name}/", step=step)
+            if member.isdir():
+                location.make_dir(f"{work}/{rel}" if rel else work)
+                continue
+            data = tar.extractfile(member).read()
+            location.write_bytes(f"{work}/{rel}", data)
+            if rel != layout.COMMIT_MARKER:  # commit() writes its own marker
+                sizes[rel] = len(data)
+    location.write_bytes(f"{work}/{SIZES}", layout.dumps(sizes))
+    if location.is_dir(name):
+        commit.delete_step(location, step)
+    commit.commit(location, step)
+
+
+class Channel:
+    """Bytes from one process to others through jax.distributed's key-value store: a
+    message is its parts, then a head (size, sha256, the sender's fields), then one
+    acknowledgement per receiver; the sender deletes it once acknowledged."""
+
+    def __init__(self, client: Any, prefix: str, process_index: int):
+        self._client = client
+        self._prefix = prefix
+        self._me = process_index
+
+    def send(self, key: str, data: bytes, **fields: Any) -> None:
+        base = f"{self._prefix}/{key}"
+        parts = max(1, -(-len(data) // _PART_BYTES))
+        view = memoryview(data)
+        for n in range(parts):
+            self._client.key_value_set_bytes(f"{base}/part/{n}", bytes(view[n * _PART_BYTES:(n + 1) * _PART_BYTES]),
+                                             allow_overwrite=True)
+        head = {**fields, "parts": parts, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        self._client.key_value_set(f"{base}/head", json.dumps(head), allow_overwrite=True)
+
+    def receive(self, key: str, timeout_ms: int) -> tuple[dict, bytes]:
+        """The message ``key``: raises ``TimeoutError`` if no head arrives within
+        ``timeout_ms``, :class:`CheckpointError` if the bytes are not the ones sent."""
+        base = f"{self._prefix}/{key}"
+        try:
+            head = json.loads(self._client.blocking_key_value_get(f"{base}/head", timeout_ms))
+        except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED from the coordination service
+            if _is_timeout(e):
+                raise TimeoutError(f"no message {key!r} within {timeout_ms} ms") from e
+            raise
+        data = b"".join(self._client.blocking_key_value_get_bytes(f"{base}/part/{n}", timeout_ms)
+                        for n in range(head["parts"]))
+        if len(data) != head["nbytes"] or hashlib.sha256(data).hexdigest() != head["sha256"]:
+            raise CheckpointError(f"the bytes of {key!r} arrived damaged ({len(data)} of {head['nbytes']} "
+                                  "bytes, or a different sha256)")
+        return head, data
+
+    def ack(self, key: str, error: str | None = None) -> None:
+        self._client.key_value_set(f"{self._prefix}/{key}/ack/{self._me}", error or "", allow_overwrite=True)
+
+    def wait_acks(self, key: str, receivers: list[int], timeout_s: float,
+                  stop: threading.Event | None = None) -> dict[int, str]:
+        """Each receiver's answer (``""`` when it installed the message), then the message is
+        deleted; a receiver that did not answer within ``timeout_s`` (or before ``stop``)
+        gets an error."""
+        base = f"{self._prefix}/{key}"
+        answers: dict[int, str] = {}
+        deadline = time.monotonic() + timeout_s
+        for p in receivers:
+            while p not in answers:
+                try:
+                    answers[p] = self._client.blocking_key_value_get(f"{base}/ack/{p}", _POLL_MS)
+                except Exception as e:  # noqa: BLE001
+                    if not _is_timeout(e):
+                        answers[p] = f"{type(e).__name__}: {e}"
+                    elif time.monotonic() > deadline or (stop is not None and stop.is_set()):
+                        answers[p] = f"process {p} did not acknowledge within {timeout_s:.0f} s"
+        try:
+            self._client.key_value_delete(f"{base}/")
+        except Exception:  # noqa: BLE001 - the service may be going away with the job
+            log.debug("deleting %s from the key-value store failed", base, exc_info=True)
+        return answers
+
+
+class PeerReplicas:
+    """This process's part of the replication ring: it sends its newest committed local
+    step to the ``replicas`` processes before it and holds those of the ``replicas``
+    processes after it.
+
+    Args:
+      client: jax.distributed's client.
+      namespace: key-value prefix of this tiered store (the same on every process).
+      own_dir: this process's local-tier directory; replicas go under ``<own_dir>/replicas``.
+      own_steps: waits for this process's queued local writes, then returns its local
+        location and intact steps (the sender's view).
+      item_name: the Orbax item of the steps.
+      max_to_keep: replica steps kept per source process.
+    """
+
+    def __init__(self, client: Any, namespace: str, *, process_index: int, process_count: int, replicas: int,
+                 own_dir: str, own_steps: OwnSteps, item_name: str, max_to_keep: int):
+        self.process_index, self.process_count = process_index, process_count
+        self.sources = [(process_index + k) % process_count for k in range(1, replicas + 1)]
+        self.holders = [(process_index - k) % process_count for k in range(1, replicas + 1)]
+        self.held = {j: LocalLocation(os.path.join(own_dir, "replicas", f"process_{j}")) for j in self.sources}
+        self._client, self._namespace = client, namespace
+        self._channel = Channel(client, namespace, process_index)
+        self._own_steps, self._item_name, self._max_to_keep = own_steps, item_name, max_to_keep
+        self._cv = threading.Condition()
+        self._asked = self._seen = 0  # local steps handed over / looked at by the sender
+        self._busy = False
+        self._sent: int | None = None  # the newest step every holder acknowledged
+        self._sequence = 0
+        self._errors: list[CheckpointError] = []
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+
+    # -- background replication -------------------------------------------------------------
+    def start(self) -> None:
+        """Start the sender and one receiver per source (a manager that trains)."""
+        if self._threads:
+            return
+        self._threads = [threading.Thread(target=self._send_loop, name="overlap-ckpt-replica-send", daemon=True)]
+        self._threads += [threading.Thread(target=self._receive_loop, args=(j,), daemon=True,
+                                           name=f"overlap-ckpt-replica-from-{j}") for j in self.sources]
+        for thread in self._threads:
+            thread.start()
+
+    def notify(self) -> None:
+        """A local step was handed to the local store: replicate it once committed."""
+        with self._cv:
+            self._asked += 1
+            self._cv.notify_all()
+
+    def flush(self) -> None:
+        """Wait until the newest committed local step is on every holder (or failed)."""
+        with self._cv:
+            while self._threads and self._threads[0].is_alive() and (self._busy or self._seen < self._asked):
+                self._cv.wait()
+
+    def take_errors(self) -> list[CheckpointError]:
+        with self._cv:
+            errors, self._errors = self._errors, []
+        return errors
+
+    def close(self) -> None:
+        """Flush, wait until every process has (its sends acknowledged: the receivers are no
+        longer needed), then stop the threads."""
+        if not self._threads:
+            return
+        self.flush()
+        try:
+            self._client.wait_at_barrier(f"{self._namespace}/closed", int(TIMEOUT_S * 1000))
+        except Exception as e:  # noqa: BLE001 - a peer already gone: nothing more will arrive
+            log.warning("closing the peer replicas without every process (%s)", e)
+        self._stop.set()
+        with self._cv:
+            self._cv.notify_all()
+        for thread in self._threads:
+            thread.join()
+        self._threads = []
+
+    def _send_loop(self) -> None:
+        while True:
+            with self._cv:
+                while self._seen == self._asked and not self._stop.is_set():
+                    self._cv.wait()
+                if self._stop.is_set():
+                    return
+                self._seen, self._busy = self._asked, True
+            try:
+                self._send_newest()
+            except Exception as e:  # noqa: BLE001 - e.g. the coordination service is gone
+                self._fail(CheckpointError(f"replicating the local tier of process {self.process_index} "
+                                           f"failed: {type(e).__name__}: {e}"))
+            finally:
+                with self._cv:
+                    self._busy = False
+                    self._cv.notify_all()
+
+    def _send_newest(self) -> None:
+        location, steps = self._own_steps()
+        if not steps or (self._sent is not None and steps[-1] <= self._sent):
+            return
+        step, key = steps[-1], f"ring/{self.process_index}/{self._sequence}"
+        self._sequence += 1
+        try:
+            data = pack(location, step)
+        except OSError as e:  # retention removed it meanwhile: a newer step follows
+            log.warning("local step %d could not be read for its replicas (%s)", step, e)
+            return
+        self._channel.send(key, data, step=step)
+        failed = {p: a for p, a in self._channel.wait_acks(key, self.holders, TIMEOUT_S, self._stop).items() if a}
+        if failed:
+            self._fail(CheckpointError(f"the replica of local step {step} of process {self.process_index} "
+                                       f"failed on {failed}", step=step))
+        else:
+            self._sent = step
+
+    def _receive_loop(self, source: int) -> None:
+        sequence = 0
+        while not self._stop.is_set():
+            key = f"ring/{source}/{sequence}"
+            try:
+                head, data = self._channel.receive(key, _POLL_MS)
+            except TimeoutError:
+                continue
+            except CheckpointError as e:  # damaged on the way: the sender reports it
+                self._channel.ack(key, str(e))
+                sequence += 1
+                continue
+            except Exception as e:  # noqa: BLE001 - the service is unreachable: try again
+                log.warning("waiting for the local steps of process %d: %s", source, e)
+                self._stop.wait(_POLL_MS / 1000)
+                continue
+            sequence += 1
+            try:
+                self._keep(source, head["step"], data)
+            except Exception as e:  # noqa: BLE001 - reported by the sender, as a failed write
+                log.error("the replica of step %s of process %d failed here: %s", head["step"], source, e)
+                self._channel.ack(key, f"{type(e).__name__}: {e}")
+            else:
+                self._channel.ack(key)
+
+    def _keep(self, source: int, step: int, data: bytes) -> None:
+        location = self.held[source]
+        install(location, step, data)
+        for old in commit.list_steps(location).complete[:-self._max_to_keep]:
+            commit.delete_step(location, old)
+
+    def _fail(self, error: CheckpointError) -> None:
+        log.error("%s", error)
+        with self._cv:
+            self._errors.append(error)
+
+    # -- restore ----------------------------------------------------------------------------
+    def held_steps(self) -> dict[int, list[int]]:
+        """Intact replica steps this process holds, by source process."""
+        return {j: intact_steps(loc, commit.list_steps(loc).complete, self._item_name,
+                                writer_tag(j, self.process_count)) for j, loc in self.held.items()}
+
+    def drop_after(self, step: int) -> None:
+        """Delete held replica steps newer than ``step`` (the job resumes from ``step``)."""
+        for location in self.held.values():
+            for s in commit.list_steps(location).complete:
+                if s > step:
+                    commit.delete_step(location, s)
+
+    def hand_over(self, step: int, sources: dict[int, int], own: LocalLocation, agreement: int) -> None:
+        """Give each process whose own copy of ``step`` is gone its shards from the process
+        ``sources[p]`` that holds their replica, installed as its own local step (collective:
+        every process calls it with the same ``sources``)."""
+        me = self.process_index
+        outgoing = [p for p, q in sorted(sources.items()) if q == me and p != me]
+        for p in outgoing:
+            self._channel.send(f"restore/{agreement}/{p}", pack(self.held[p], step), step=step)
+        if sources[me] != me:
+            key = f"restore/{agreement}/{me}"
+            try:
+                _, data = self._channel.receive(key, int(TIMEOUT_S * 1000))
+                install(own, step, data)
+            except Exception as e:
+                self._channel.ack(key, f"{type(e).__name__}: {e}")
+                raise CheckpointError(f"process {me} could not get its shards of local step {step} from "
+                                      f"process {sources[me]}: {e}", step=step) from e
+            self._channel.ack(key)
+        for p in outgoing:
+            answer = self._channel.wait_acks(f"restore/{agreement}/{p}", [p], TIMEOUT_S)[p]
+            if answer:
+                raise CheckpointError(f"process {p} could not install its shards of local step {step} "
+                                      f"sent by process {me}: {answer}", step=step)
+
+
+__all__ = ["PeerReplicas", "Channel", "pack", "install", "intact_steps", "writer_tag", "TIER_KEY"]
