@@ -163,13 +163,24 @@ class Channel:
     def ack(self, key: str, error: str | None = None) -> None:
         self._client.key_value_set(f"{self._prefix}/{key}/ack/{self._me}", error or "", allow_overwrite=True)
 
+    def close(self) -> None:
+        """Tell senders that this process receives nothing more."""
+        self._client.key_value_set(f"{self._prefix}/closed/{self._me}", "", allow_overwrite=True)
+
+    def closed(self, process: int) -> bool:
+        try:
+            self._client.key_value_try_get(f"{self._prefix}/closed/{process}")
+        except Exception:  # noqa: BLE001 - NOT_FOUND: still receiving
+            return False
+        return True
+
     def wait_acks(self, key: str, receivers: list[int], timeout_s: float,
-                  stop: threading.Event | None = None) -> dict[int, str]:
-        """Each receiver's answer (``""`` when it installed the message), then the message is
-        deleted; a receiver that did not answer within ``timeout_s`` (or before ``stop``)
-        gets an error."""
+                  stop: threading.Event | None = None) -> dict[int, str | None]:
+        """Each receiver's answer (``""`` when it installed the message, ``None`` when it
+        closed before it came), then the message is deleted; a receiver that did not answer
+        within ``timeout_s`` (or before ``stop``) gets an error."""
         base = f"{self._prefix}/{key}"
-        answers: dict[int, str] = {}
+        answers: dict[int, str | None] = {}
         deadline = time.monotonic() + timeout_s
         for p in receivers:
             while p not in answers:
@@ -178,6 +189,8 @@ class Channel:
                 except Exception as e:  # noqa: BLE001
                     if not _is_timeout(e):
                         answers[p] = f"{type(e).__name__}: {e}"
+                    elif self.closed(p):
+                        answers[p] = None
                     elif time.monotonic() > deadline or (stop is not None and stop.is_set()):
                         answers[p] = f"process {p} did not acknowledge within {timeout_s:.0f} s"
         try:
@@ -208,7 +221,6 @@ class PeerReplicas:
         self.sources = [(process_index + k) % process_count for k in range(1, replicas + 1)]
         self.holders = [(process_index - k) % process_count for k in range(1, replicas + 1)]
         self.held = {j: LocalLocation(os.path.join(own_dir, "replicas", f"process_{j}")) for j in self.sources}
-        self._client, self._namespace = client, namespace
         self._channel = Channel(client, namespace, process_index)
         self._own_steps, self._item_name, self._max_to_keep = own_steps, item_name, max_to_keep
         self._cv = threading.Condition()
@@ -249,15 +261,16 @@ class PeerReplicas:
         return errors
 
     def close(self) -> None:
-        """Flush, wait until every process has (its sends acknowledged: the receivers are no
-        longer needed), then stop the threads."""
+        """Flush, then stop: senders stop waiting for this process, and a step a peer
+        publishes later is not held here (no barrier: a process closing on an error must
+        not wait for peers that may be stuck)."""
         if not self._threads:
             return
         self.flush()
         try:
-            self._client.wait_at_barrier(f"{self._namespace}/closed", int(TIMEOUT_S * 1000))
-        except Exception as e:  # noqa: BLE001 - a peer already gone: nothing more will arrive
-            log.warning("closing the peer replicas without every process (%s)", e)
+            self._channel.close()
+        except Exception as e:  # noqa: BLE001 - the service is gone with the job
+            log.warning("could not tell the peers that process %d closed: %s", self.process_index, e)
         self._stop.set()
         with self._cv:
             self._cv.notify_all()
@@ -287,15 +300,20 @@ class PeerReplicas:
         location, steps = self._own_steps()
         if not steps or (self._sent is not None and steps[-1] <= self._sent):
             return
-        step, key = steps[-1], f"ring/{self.process_index}/{self._sequence}"
-        self._sequence += 1
+        step = steps[-1]
         try:
             data = pack(location, step)
         except OSError as e:  # retention removed it meanwhile: a newer step follows
             log.warning("local step %d could not be read for its replicas (%s)", step, e)
             return
+        key = f"ring/{self.process_index}/{self._sequence}"  # the receivers take them in sequence
+        self._sequence += 1
         self._channel.send(key, data, step=step)
-        failed = {p: a for p, a in self._channel.wait_acks(key, self.holders, TIMEOUT_S, self._stop).items() if a}
+        answers = self._channel.wait_acks(key, self.holders, TIMEOUT_S, self._stop)
+        failed = {p: a for p, a in answers.items() if a}
+        for p in (p for p, a in answers.items() if a is None):
+            log.info("process %d closed before it received local step %d of process %d", p, step,
+                     self.process_index)
         if failed:
             self._fail(CheckpointError(f"the replica of local step {step} of process {self.process_index} "
                                        f"failed on {failed}", step=step))
@@ -345,7 +363,10 @@ class PeerReplicas:
                                 writer_tag(j, self.process_count)) for j, loc in self.held.items()}
 
     def drop_after(self, step: int) -> None:
-        """Delete held replica steps newer than ``step`` (the job resumes from ``step``)."""
+        """Delete held replica steps newer than ``step`` (the job resumes from ``step``), and
+        send this process's steps after ``step`` again when they are written again."""
+        with self._cv:
+            self._sent = None if self._sent is None else min(self._sent, step)
         for location in self.held.values():
             for s in commit.list_steps(location).complete:
                 if s > step:
@@ -371,9 +392,9 @@ class PeerReplicas:
             self._channel.ack(key)
         for p in outgoing:
             answer = self._channel.wait_acks(f"restore/{agreement}/{p}", [p], TIMEOUT_S)[p]
-            if answer:
+            if answer != "":
                 raise CheckpointError(f"process {p} could not install its shards of local step {step} "
-                                      f"sent by process {me}: {answer}", step=step)
+                                      f"sent by process {me}: {answer or 'it had closed'}", step=step)
 
 
 __all__ = ["PeerReplicas", "Channel", "pack", "install", "intact_steps", "writer_tag", "TIER_KEY"]
