@@ -307,8 +307,8 @@ class PeerReplicas:
             log.warning("local step %d could not be read for its replicas (%s)", step, e)
             return
         key = f"ring/{self.process_index}/{self._sequence}"  # the receivers take them in sequence
+        self._channel.send(key, data, step=step)  # a send that failed is retried under the same key
         self._sequence += 1
-        self._channel.send(key, data, step=step)
         answers = self._channel.wait_acks(key, self.holders, TIMEOUT_S, self._stop)
         failed = {p: a for p, a in answers.items() if a}
         for p in (p for p, a in answers.items() if a is None):
