@@ -5,10 +5,11 @@ process): every parameter split over the ``data`` axis, the step replicated. Tra
 through ``CheckpointManager(local=LocalTier(<local>, every=2))``, durable every 6 steps; each
 process's local tier is ``<local>/process_<i>``. ``--resume`` restores the newest step
 complete everywhere (the processes agree) onto the training shardings. ``--replicas R``:
-each process also holds R peers' local steps. Faults at the end of step ``T``, on every
-process, once every checkpoint handed over so far is written and replicated (the window of
-the next local step is open): ``--kill-at T`` (SIGKILL), ``--preempt-at T`` (SIGTERM, with
-``overlap_ckpt.preemption`` installed).
+each process also holds R peers' local steps. Faults at the end of step ``T``, once every
+checkpoint handed over so far is written and replicated on every process (the window of
+the next local step is open): ``--kill-at T`` (process 1 SIGKILLs itself; the others go
+on), ``--preempt-at T`` (every process gets SIGTERM, with ``overlap_ckpt.preemption``
+installed).
 
 stdout: JSON lines ``resumed`` (step), ``step`` (loss bits), ``done``.
 """
@@ -109,7 +110,10 @@ def main() -> int:
             if t in (args.kill_at, args.preempt_at):
                 mngr.wait_until_finished()
                 distributed_client().wait_at_barrier("tiers_mp_worker:fault", 60_000)
-                os.kill(os.getpid(), signal.SIGKILL if t == args.kill_at else signal.SIGTERM)
+                if t == args.preempt_at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+                elif args.pid == 1:
+                    os.kill(os.getpid(), signal.SIGKILL)
     distributed_client().wait_at_barrier("tiers_mp_worker:done", 60_000)
     emit(ev="done", pid=args.pid)
     return 0

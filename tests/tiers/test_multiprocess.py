@@ -15,9 +15,9 @@ is stopped at the end of step 17, once its checkpoints are written and replicate
 18 open): local steps 14 and 16 on each process and as replicas on the other, durable 6
 and 12. Then, on copies:
 
-* SIGKILL, process 1's host lost (its directory, replicas included, wiped): both resume
-  from 16, process 1's shards coming from process 0's replica;
-* SIGKILL, both hosts lost: both resume from durable step 12;
+* process 1 SIGKILLed and its host lost (its directory, replicas included, wiped): both
+  resume from 16, process 1's shards coming from process 0's replica;
+* both hosts lost: both resume from durable step 12;
 * process 1's host lost and process 0's replica of its step 16 truncated (a torn copy):
   both resume from 14, never from the torn 16;
 * process 1's own step 16 torn: process 0's newest is newer than process 1's own, both
@@ -34,24 +34,29 @@ import json
 import os
 import shutil
 import signal
+import subprocess
 import sys
 
 import pytest
 
-from e2e.test_multiprocess import free_port, run_processes
+from e2e.test_multiprocess import TIMEOUT, env, free_port, run_processes
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
 STEPS = 18
 REPLICAS = ("--replicas", "1")
 
 
+def commands(run, *extra):
+    """The command lines of the 2-process job on ``run``'s directories."""
+    port = free_port()
+    return [[sys.executable, WORKER, "--pid", str(pid), "--port", str(port), "--dir", str(run / "durable"),
+             "--local", str(run / "local"), "--steps", str(STEPS), *extra] for pid in range(2)]
+
+
 def job(tmp_path, run, name, *extra, exit_code=0):
     """Run the 2-process job on ``run``'s directories; per process, its JSON events (and
     its log, when it is to end with a signal's ``exit_code``)."""
-    port = free_port()
-    results = run_processes([[sys.executable, WORKER, "--pid", str(pid), "--port", str(port),
-                              "--dir", str(run / "durable"), "--local", str(run / "local"),
-                              "--steps", str(STEPS), *extra] for pid in range(2)], tmp_path, name)
+    results = run_processes(commands(run, *extra), tmp_path, name)
     out = []
     for code, log in results:
         assert code == exit_code, log[-4000:]
@@ -104,9 +109,21 @@ def test_a_wiped_local_tier_resumes_everyone_from_durable(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    """A replicas=1 job SIGKILLed (both processes) at the end of step 17."""
+    """A replicas=1 job whose process 1 is SIGKILLed at the end of step 17; the scheduler
+    then kills process 0 too (the job restarts)."""
     tmp = tmp_path_factory.mktemp("tiers_mp_killed")
-    job(tmp, tmp / "run", "killed", *REPLICAS, "--kill-at", "17", exit_code=-signal.SIGKILL)
+    log = tmp / "log_killed.txt"
+    with open(log, "w") as out:
+        procs = [subprocess.Popen(cmd, env=env(2), stdout=out, stderr=subprocess.STDOUT)
+                 for cmd in commands(tmp / "run", *REPLICAS, "--kill-at", "17")]
+        try:
+            procs[1].wait(timeout=TIMEOUT)
+        finally:
+            for proc in procs:
+                if proc.poll() is None:
+                    proc.kill()
+                    proc.wait()
+    assert procs[1].returncode == -signal.SIGKILL, log.read_text()[-4000:]
     local = tmp / "run" / "local"
     for pid, peer in ((0, 1), (1, 0)):
         assert steps_in(local / f"process_{pid}") == [14, 16]
