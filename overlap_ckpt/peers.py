@@ -12,14 +12,17 @@ process's local tier as long as no R+1 consecutive processes are lost.
 
 Transport: jax.distributed's key-value store (the coordination service the job already
 runs), with bytes values. A committed step directory travels as a tar archive in parts of
-at most 64 MiB, with its sha256 checked on arrival. Why not jax's CPU collectives: a
-collective issued from a background thread may be launched before the training step's own
-collectives on one process and after them on another (the CPU client runs one collective
-program at a time: a deadlock when training runs on the CPU backend), and one issued from
-the training thread would stall training for the whole transfer. Key-value calls are plain
+4 MiB (twice as fast as 64 MiB parts through the service, measured), with its sha256
+checked on arrival. Why not jax's CPU collectives: a collective issued from a background
+thread may be launched before the training step's own collectives on one process and after
+them on another (the CPU client runs one collective program at a time: a deadlock when
+training runs on the CPU backend), and one issued from the training thread would stall
+training for the whole transfer. Key-value calls are plain
 RPCs, safe from any thread. The cost: the bytes pass through the coordinator (process 0),
 which holds at most one step per sending process at a time (deleted once every holder has
-acknowledged it).
+acknowledged it), and its throughput is modest (about 35 MB/s on a 2-core machine, measured
+with 256 MiB): fine for shards of up to a few hundred MB per process, replicated in the
+background; GB-scale shards per process need a bulk point-to-point transport.
 
 Replication runs in the background: after a local step commits, a sender thread publishes
 the newest committed step (older ones it has not sent yet are skipped: only the newest
@@ -49,7 +52,7 @@ log = logging.getLogger(__name__)
 
 TIER_KEY = "local_tier"  # custom step metadata: which process of how many wrote the step
 SIZES = "_overlap_ckpt_replica.json"  # in a replica's step directory: each file's size on its writer
-_PART_BYTES = 64 << 20  # key-value values stay far below gRPC message limits
+_PART_BYTES = 4 << 20  # key-value values: far below gRPC limits, and faster than large ones
 _POLL_MS = 1000  # receivers look for new steps (and for close) this often
 TIMEOUT_S = 300.0  # a peer that does not answer a transfer within this is reported
 
