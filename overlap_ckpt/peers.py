@@ -45,7 +45,7 @@ import time
 from typing import Any, Callable
 
 from .storage import CheckpointError, CorruptCheckpointError, commit, layout, restore
-from .storage.coordination import _is_timeout
+from .storage.coordination import is_timeout
 from .storage.location import LocalLocation
 
 log = logging.getLogger(__name__)
@@ -153,7 +153,7 @@ class Channel:
         try:
             head = json.loads(self._client.blocking_key_value_get(f"{base}/head", timeout_ms))
         except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED from the coordination service
-            if _is_timeout(e):
+            if is_timeout(e):
                 raise TimeoutError(f"no message {key!r} within {timeout_ms} ms") from e
             raise
         data = b"".join(self._client.blocking_key_value_get_bytes(f"{base}/part/{n}", timeout_ms)
@@ -190,7 +190,7 @@ class Channel:
                 try:
                     answers[p] = self._client.blocking_key_value_get(f"{base}/ack/{p}", _POLL_MS)
                 except Exception as e:  # noqa: BLE001
-                    if not _is_timeout(e):
+                    if not is_timeout(e):
                         answers[p] = f"{type(e).__name__}: {e}"
                     elif self.closed(p):
                         answers[p] = None

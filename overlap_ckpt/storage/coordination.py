@@ -185,7 +185,7 @@ class JaxDistributedCoordinator:
                     raise TimeoutError
                 self._client.blocking_key_value_get(f"{prefix}{other}", remaining_ms)
             except Exception as e:  # noqa: BLE001 - DEADLINE_EXCEEDED (JaxRuntimeError) or ours
-                if not _is_timeout(e):
+                if not is_timeout(e):
                     raise
                 missing = self._missing(prefix)
                 message, step = _describe_barrier(name, missing, self.timeout_s)
@@ -207,5 +207,6 @@ class JaxDistributedCoordinator:
         return [p for p in range(self.process_count) if p not in arrived]
 
 
-def _is_timeout(e: BaseException) -> bool:
+def is_timeout(e: BaseException) -> bool:
+    """Whether a key-value store call gave up waiting (jax raises its gRPC status as text)."""
     return isinstance(e, TimeoutError) or "DEADLINE_EXCEEDED" in str(e)
