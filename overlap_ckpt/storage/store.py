@@ -37,7 +37,7 @@ from . import commit, hooks, layout, persist, restore as _restore, retention, ve
 from .coordination import Coordinator, SingleProcess, default_coordinator
 from .errors import (CheckpointError, CheckpointNotFoundError, CorruptCheckpointError, IncompleteCheckpointError,
                      StepAlreadyExistsError, StoreClosedError, write_error)
-from .location import Location, open_location, root_context
+from .location import LocalLocation, Location, open_location, root_context
 from .lock import DirectoryLock
 from .tree import Leaf, to_leaves
 
@@ -146,11 +146,8 @@ class CheckpointStore:
                     self._lock.release()
                 except Exception:  # noqa: BLE001
                     pass
-            raise CheckpointError(
-                f"Cannot open checkpoint storage {self.location.url}: {e}. Check the bucket/path, "
-                "the endpoint and the credentials (for S3: AWS_ACCESS_KEY_ID, "
-                "AWS_SECRET_ACCESS_KEY, AWS_REGION or an instance role).",
-                path=self.location.url) from e
+            raise CheckpointError(f"Cannot open checkpoint storage {self.location.url}: {e}. {_open_hint(self.location)}",
+                                  path=self.location.url) from e
         self._cv = threading.Condition()
         self._queue: collections.deque[_Pending] = collections.deque()
         self._in_flight: _Pending | None = None
@@ -540,3 +537,13 @@ def _json_copy(metadata: dict | None, step: int) -> dict | None:
         return json.loads(json.dumps(metadata, allow_nan=False))
     except (TypeError, ValueError) as e:
         raise TypeError(f"metadata of step {step} must be JSON-serializable: {e}") from e
+
+
+def _open_hint(location: Location) -> str:
+    """What to check when a location cannot be opened: a local directory's permissions and
+    free space, or an object store's bucket, endpoint and credentials."""
+    if isinstance(location, LocalLocation):
+        return ("Check that the directory exists or can be created, that this user may write "
+                "there (or pass save_interval_steps=None to only restore), and the free space.")
+    return ("Check the bucket/path, the endpoint and the credentials (for S3: AWS_ACCESS_KEY_ID, "
+            "AWS_SECRET_ACCESS_KEY, AWS_REGION or an instance role).")

@@ -18,7 +18,7 @@ import pytest
 import tensorstore as ts
 
 from overlap_ckpt.errors import TreeMismatchError
-from overlap_ckpt.storage import (CheckpointLockedError, CheckpointNotFoundError, CheckpointStore,
+from overlap_ckpt.storage import (CheckpointError, CheckpointLockedError, CheckpointNotFoundError, CheckpointStore,
                                   CheckpointWriteError, CorruptChunkError, IncompleteCheckpointError,
                                   InvalidMetadataError, MissingArrayError, OutOfSpaceError,
                                   StepAlreadyExistsError, StoreClosedError, TargetMismatchError,
@@ -313,3 +313,15 @@ def test_step_already_exists_and_closed_store(saved):
     saved.close()
     with pytest.raises(StoreClosedError):
         saved.save(5, tree(5))
+
+
+def test_a_local_directory_that_cannot_be_opened_says_what_to_check(tmp_path):
+    """A local path that cannot be a directory is a local problem: the error names the
+    directory and its permissions, not an object store's credentials."""
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    with pytest.raises(CheckpointError, match="Cannot open checkpoint storage") as raised:
+        CheckpointStore(str(blocker / "ckpts"))
+    message = str(raised.value)
+    assert "Not a directory" in message and "may write there" in message
+    assert "credentials" not in message
