@@ -19,7 +19,8 @@ The outbox of phase ``j`` of a K-step window (:class:`Outbox`):
 
 The copies read the step's *input* buffers inside the same program, so donation stays
 correct, and they are placed in the plan's host memory kind (``pinned_host``) so XLA
-schedules them as asynchronous device-to-host copies beside the step's compute.
+schedules them as asynchronous device-to-host copies beside the step's compute. On GPU and
+TPU those lists travel packed, one copy per element width (:mod:`overlap_ckpt.core.packing`).
 """
 
 from __future__ import annotations
@@ -32,8 +33,9 @@ import jax.numpy as jnp
 import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
-from . import scalars
+from . import packing, scalars
 from .interp import interpret
+from .packing import Packing
 from .plan import CapturePlan, LeafLayout
 from .separability import flat_update_fn, input_tokens, optax_update_fn
 from .slicing import Piece
@@ -65,7 +67,12 @@ class WindowTicket:
 
 @dataclasses.dataclass
 class Outbox:
-    """The host copies one window step produced (see the module docstring)."""
+    """The host copies one window step produced (see the module docstring).
+
+    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU/TPU) the captured arrays
+    are in ``packed``, one host copy per element width and group, and ``packing`` says which
+    lists they replace; :func:`overlap_ckpt.core.packing.unpacked` gives them back as lists.
+    """
 
     ticket: WindowTicket
     state: list[jax.Array]
@@ -73,18 +80,19 @@ class Outbox:
     grads: list[jax.Array]
     globals: list[jax.Array]
     extras: list[jax.Array]
+    packed: list[jax.Array] = dataclasses.field(default_factory=list)
+    packing: Packing | None = None
 
     def map(self, fn: Callable[[jax.Array], Any]) -> "Outbox":
         """The same outbox with ``fn`` applied to every array (a door's view of its arrays)."""
         return jax.tree.map(fn, self)
 
 
-jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads", "globals", "extras"],
-                                 meta_fields=["ticket"])
+jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads", "globals", "extras", "packed"],
+                                 meta_fields=["ticket", "packing"])
 
 
-def to_host(x: jax.Array, layout: LeafLayout, plan: CapturePlan,
-            sharding: jax.sharding.Sharding | None = None) -> jax.Array:
+def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` placed in the plan's outbox memory, keeping its device layout (per-shard copies).
 
     The host placement is ``jax.device_put(..., jax.memory.Space.Host)`` rather than a
@@ -105,7 +113,6 @@ def to_host(x: jax.Array, layout: LeafLayout, plan: CapturePlan,
         # leaf and no placement on the state's devices applies. pmap brings its outputs back
         # in device memory, replicated; the engine copies replica 0 to the host.
         return jax.device_put(x, jax.memory.Space.Host)
-    sharding = sharding or layout.sharding
     if plan.outbox_memory != HOST_KIND:
         return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
     return jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
@@ -118,14 +125,14 @@ def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan)
     device exchanges data; the result keeps the leaf's sharding.
     """
     if not layout.shape or (piece.start == 0 and piece.stop == layout.rows):
-        return to_host(x, layout, plan)
+        return to_host(x, plan, layout.sharding)
     sharding = layout.sharding
     if isinstance(sharding, NamedSharding) and len(sharding.spec) and sharding.spec[0] is not None:
         spec = sharding.spec
         local = jax.shard_map(lambda block: block[piece.start:piece.stop], mesh=sharding.mesh,
                               in_specs=spec, out_specs=spec)
-        return to_host(local(x), layout, plan, NamedSharding(sharding.mesh, spec))
-    return to_host(x[piece.start:piece.stop], layout, plan)
+        return to_host(local(x), plan, NamedSharding(sharding.mesh, spec))
+    return to_host(x[piece.start:piece.stop], plan, sharding)
 
 
 def scalars_to_host(plan: CapturePlan, packed: list[jax.Array]) -> list[jax.Array]:
@@ -136,8 +143,7 @@ def scalars_to_host(plan: CapturePlan, packed: list[jax.Array]) -> list[jax.Arra
     sharding = plan.params[0].sharding
     if isinstance(sharding, NamedSharding):
         sharding = NamedSharding(sharding.mesh, PartitionSpec())
-    layout = plan.params[0]
-    return [to_host(x, layout, plan, sharding) for x in packed]
+    return [to_host(x, plan, sharding) for x in packed]
 
 
 def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, Any, list[jax.Array]]:
@@ -160,15 +166,19 @@ def isolated_gradients(plan: CapturePlan, step: Any, grads):
     Otherwise XLA duplicates the gradient computation into the update's fusions and rounds
     it differently from the gradient copy it ships to the host, and the host replay (where
     the gradient is an input) is off by an ulp. GPU/TPU compilers honour an optimization
-    barrier. XLA:CPU removes barriers before fusion, so there the gradients go through a
-    conditional on a runtime predicate that is always true (:func:`always_true`), whose
-    taken branch is the identity: a conditional's result is a materialised buffer. Only the
+    barrier, one per leaf: a barrier over the whole tree would hold every gradient until
+    the last one is computed (on the compile-only H100, 0.75 MB of the tiny Linen LM's
+    window phase beyond the plain step), where each leaf's update may otherwise run as soon
+    as its gradient is ready. XLA:CPU removes barriers before fusion, so there the gradients
+    go through a conditional on a runtime predicate that is always true
+    (:func:`always_true`), whose taken branch is the identity: a conditional's result is a
+    materialised buffer. Only the
     gradients are copied; the update stays in the step and writes the donated state in
     place. (A conditional around the whole update cannot alias donated buffers: it copied
     every state leaf, about 9% of a 20M-parameter LM's step on the CPU.)
     """
     if plan.platform != "cpu":
-        return jax.lax.optimization_barrier(grads)
+        return jax.tree.map(jax.lax.optimization_barrier, grads)
     if step is None:
         raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
     return jax.lax.cond(always_true(step), lambda g: g, lambda g: jax.tree.map(jnp.negative, g), grads)
@@ -225,7 +235,9 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
         return new_params, new_state, Outbox(ticket, [], [], [], scalars.pack(cuts), [])
     if outbox is None:
         outbox = capture_state(ticket, params, opt_state, extras)
-    if not ticket.last:
+    if not ticket.last and outbox.packing is not None:
+        capture_grads_packed(outbox, grads, cuts)
+    elif not ticket.last:
         outbox.grads, outbox.globals = capture_grads(ticket, grads, cuts)
     return new_params, new_state, outbox
 
@@ -245,42 +257,76 @@ def _check_shapes(plan: CapturePlan, params) -> None:
 def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any) -> tuple[Outbox, Any, Any]:
     """The state part of the outbox, ordered before the update that overwrites it (GPU/TPU).
 
-    The update writes the donated input buffers in place while the asynchronous copies read
-    them. With no order between the two, XLA:GPU's copy insertion first copies each captured
+    The update writes the donated input buffers in place while the captures read them.
+    With no order between the two, XLA:GPU's copy insertion first copies each captured
     input leaf into a device temporary (seen in the compile-only H100 program: a window cost
-    an extra slice of device memory). An optimization barrier over (the copies, the state)
-    makes the update wait for the copies, so they read the donated buffers themselves and
-    overlap the forward and backward passes, which do not wait. The CPU backend keeps the
-    capture after the update (its barriers are removed before fusion, and its programs stay
-    bitwise as they were).
+    an extra slice of device memory). An optimization barrier over (the captures, the state)
+    makes the update wait for them, so they read the donated buffers themselves. The CPU
+    backend keeps the capture after the update (its barriers are removed before fusion, and
+    its programs stay bitwise as they were).
+
+    What the update waits for decides where XLA schedules a packed outbox's host copy (seen
+    in the compile-only H100 programs of the tiny and the 1B LM): a copy the update waits
+    for starts before the forward pass and spans it and the backward pass; one it does not
+    wait for may start only after the backward pass, beside the update alone. So in the
+    phases that ship gradients, whose update already waits for all of them (see
+    :func:`isolated_gradients`), it waits for the copies too. In the last phase it waits
+    only for the packing, which reads the state: its per-leaf updates may then run during
+    the backward pass as in the plain step (waiting for the copy there held every gradient
+    until the end of the backward pass: 0.5 MB over the tiny LM's outbox), and XLA starts
+    the copy at the beginning of the program. A packed array that is a view of one whole
+    leaf (:func:`overlap_ckpt.core.packing.views`) is copied before the update in every
+    phase: copied after it, it would read the donated buffer the update overwrites.
     """
-    outbox = capture_state(ticket, params, opt_state, extras)
-    (outbox.state, outbox.shared), params, opt_state = jax.lax.optimization_barrier(
-        ((outbox.state, outbox.shared), params, opt_state))
+    outbox = capture_state(ticket, params, opt_state, extras, place_packed=False)
+    late = [False] * len(outbox.packed)  # copied after the barrier: the update does not wait
+    if ticket.last and outbox.packing is not None:
+        items = packing.phase_items(ticket.plan, ticket.phase, outbox.packing.extras).state_items()
+        late = [not view for view in packing.views(items)]
+    outbox.packed = [x if wait else packed_to_host(ticket.plan, x) for x, wait in zip(outbox.packed, late)]
+    (outbox.state, outbox.shared, outbox.packed), params, opt_state = jax.lax.optimization_barrier(
+        ((outbox.state, outbox.shared, outbox.packed), params, opt_state))
+    outbox.packed = [packed_to_host(ticket.plan, x) if wait else x for x, wait in zip(outbox.packed, late)]
     return outbox, params, opt_state
 
 
-def capture_state(ticket: WindowTicket, params, opt_state, extras: Any) -> Outbox:
+def packs(plan: CapturePlan) -> bool:
+    """Whether this step packs its outbox (:mod:`overlap_ckpt.core.packing`): the plan says
+    so, and the step is not inside ``jax.pmap`` (whose outputs stay in device memory)."""
+    return plan.pack_outbox and plan.outbox_memory is not None and not jax.sharding.get_abstract_mesh().manual_axes
+
+
+def packed_to_host(plan: CapturePlan, packed: jax.Array) -> jax.Array:
+    """A packed array moved to the outbox memory: one asynchronous host copy."""
+    return to_host(packed, plan, packing.packed_sharding(plan))
+
+
+def capture_state(ticket: WindowTicket, params, opt_state, extras: Any, *, place_packed: bool = True) -> Outbox:
     """The state part of an outbox: slice ``phase`` of the (input) params and the state
-    leaves they own, the shared state leaves, and at the last phase the extras."""
-    plan, phase = ticket.plan, ticket.phase
-    params_leaves, state_leaves = jax.tree.leaves(params), jax.tree.leaves(opt_state)
-    captured = []
-    for piece in plan.slicing.slices[phase]:
-        captured.append(take_rows(params_leaves[piece.leaf], plan.params[piece.leaf], piece, plan))
-        for j in plan.analysis.owned_state(piece.leaf):
-            captured.append(take_rows(state_leaves[j], plan.state[j], plan.state_piece(j, piece), plan))
-    shared = [to_host(state_leaves[j], plan.state[j], plan) for j in plan.analysis.shared_state]
-    extras_out = []
-    if ticket.last and extras is not None:
-        extras_out = capture_extras(ticket, extras)
+    leaves they own, the shared state leaves, and at the last phase the extras.
+
+    A packed outbox's arrays stay in device memory with ``place_packed=False`` (the caller
+    moves them with :func:`packed_to_host`)."""
+    plan = ticket.plan
+    with_extras = ticket.last and extras is not None
+    items = packing.phase_items(plan, ticket.phase, with_extras)
+    sources = {"params": jax.tree.leaves(params), "state": jax.tree.leaves(opt_state),
+               "extras": jax.tree.leaves(extras)}
+    arrays = {name: [sources[source][item.piece.leaf] for source, item in entries] for name, entries in items.parts()}
+    if packs(plan):
+        packed = packing.pack(sum(arrays.values(), []), items.state_items(), packing.packed_sharding(plan))
+        return Outbox(ticket, [], [], [], [], [], packed=[packed_to_host(plan, x) for x in packed] if place_packed else packed,
+                      packing=packing.Packing(extras=with_extras))
+    captured = [take_rows(x, item.layout, item.piece, plan) for x, (_, item) in zip(arrays["state"], items.state)]
+    shared = [to_host(x, plan, item.layout.sharding) for x, (_, item) in zip(arrays["shared"], items.shared)]
+    extras_out = capture_extras(ticket, extras) if with_extras else []
     return Outbox(ticket, captured, shared, [], [], extras_out)
 
 
 def capture_extras(ticket: WindowTicket, extras: Any) -> list[jax.Array]:
     """The extras of the target version, in host memory (the last phase's share)."""
     plan = ticket.plan
-    return [to_host(x, layout, plan) for x, layout in zip(jax.tree.leaves(extras), plan.extras)]
+    return [to_host(x, plan, layout.sharding) for x, layout in zip(jax.tree.leaves(extras), plan.extras)]
 
 
 def capture_grads(ticket: WindowTicket, grads, cuts: list) -> tuple[list, list]:
@@ -290,3 +336,16 @@ def capture_grads(ticket: WindowTicket, grads, cuts: list) -> tuple[list, list]:
     pieces = [take_rows(grads_leaves[p.leaf], plan.params[p.leaf], p, plan)
               for p in plan.slicing.pieces_upto(ticket.phase)]
     return pieces, scalars_to_host(plan, scalars.pack(cuts))
+
+
+def capture_grads_packed(outbox: Outbox, grads, cuts: list) -> None:
+    """Add the gradient pieces to a packed ``outbox`` as one host copy per element width (a
+    group of their own: they are ready only after the backward pass), and the global scalars."""
+    ticket = outbox.ticket
+    plan = ticket.plan
+    grads_leaves = jax.tree.leaves(grads)
+    items = packing.grad_items(plan, ticket.phase)
+    packed = packing.pack([grads_leaves[item.piece.leaf] for item in items], items, packing.packed_sharding(plan))
+    outbox.packed = outbox.packed + [packed_to_host(plan, x) for x in packed]
+    outbox.packing = dataclasses.replace(outbox.packing, grads=True)
+    outbox.globals = scalars_to_host(plan, scalars.pack(cuts))

@@ -26,7 +26,7 @@ import optax
 
 from ..errors import CheckpointFailure, InternalError, UnsupportedOptimizerError, WindowAborted, brief
 from .buffers import HostBuffers, trim_host_memory
-from . import backend
+from . import backend, packing
 from .capture import Outbox, WindowTicket
 from .plan import CapturePlan, make_plan
 from .replay import ReplayPrograms, WindowReplay
@@ -143,17 +143,20 @@ class OverlapEngine:
       combine: builds the saved tree from (params, opt_state, extras).
       outbox_memory: memory kind of the in-graph copies (default: the backend's host memory;
         None: device memory, for pmap).
+      pack_outbox: one host copy per element width per window step instead of one per leaf
+        (None: on GPU and TPU; see :func:`overlap_ckpt.core.plan.make_plan`).
     """
 
     def __init__(self, tx: optax.GradientTransformation, sink: Sink, *, interval: int, window: int = 1,
                  chunk_leaves: bool | None = None, combine: Combine = default_combine,
-                 outbox_memory: str | None = backend.HOST_MEMORY):
+                 outbox_memory: str | None = backend.HOST_MEMORY, pack_outbox: bool | None = None):
         self.tx = tx
         self.sink = sink
         self.windows = WindowTracker(WindowSchedule.clamped(interval, window))
         self.chunk_leaves = chunk_leaves
         self.combine = combine
         self.outbox_memory = backend.outbox_memory(outbox_memory)
+        self.pack_outbox = pack_outbox
         self.plan: CapturePlan | None = None
         self._programs: dict[CapturePlan, ReplayPrograms] = {}
         self._queue: queue.Queue = queue.Queue()
@@ -224,7 +227,8 @@ class OverlapEngine:
             self._queue.put(("abort", "the train state changed"))
         def plan_with(chunk_leaves):
             return make_plan(self.tx, params, opt_state, extras, self.schedule.k,
-                             chunk_leaves=chunk_leaves, outbox_memory=self.outbox_memory)
+                             chunk_leaves=chunk_leaves, outbox_memory=self.outbox_memory,
+                             pack_outbox=self.pack_outbox)
 
         plan = plan_with(self.chunk_leaves)
         try:
@@ -341,7 +345,7 @@ class OverlapEngine:
                 if window is None or window.plan != ticket.plan or window.version != version:
                     continue  # joined mid-window (e.g. after a resume): wait for the next one
                 start = time.perf_counter()
-                window.receive(item.outbox)
+                window.receive(packing.unpacked(item.outbox))
                 end = time.perf_counter()
                 self._set_window_bytes(window.buffers.held_bytes)
                 self.replay_seconds += end - start
@@ -391,7 +395,7 @@ class OverlapEngine:
 
 def outbox_bytes(outbox: Outbox) -> int:
     """Host bytes of the captured arrays of an outbox (this process's shards)."""
-    return sum(s.data.nbytes for x in (*outbox.state, *outbox.grads, *outbox.extras)
+    return sum(s.data.nbytes for x in (*outbox.state, *outbox.grads, *outbox.extras, *outbox.packed)
                for s in x.addressable_shards)
 
 

@@ -18,6 +18,7 @@ import optax
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
 from ..hostarray import covers, index_key, local_blocks, normalize_index
 from . import backend
+from .packing import packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
 from .slicing import Piece, Slicing, make_slicing
 
@@ -119,11 +120,12 @@ class CapturePlan:
     chunked: bool  # leaves may be split into row chunks (elementwise update)
     platform: str  # "cpu", "gpu", "tpu": how the update is isolated on the device
     outbox_memory: str | None = "pinned_host"  # memory kind of the captured copies (None: device)
+    pack_outbox: bool = False  # one host copy per dtype instead of one per leaf (core.packing)
 
     def _key(self) -> tuple:
         return (self.tx.init, self.tx.update, self.params_def, self.state_def, self.extras_def,
                 tuple(self.params), tuple(self.state), tuple(self.extras), self.analysis,
-                self.slicing, self.chunked, self.platform, self.outbox_memory)
+                self.slicing, self.chunked, self.platform, self.outbox_memory, self.pack_outbox)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -180,13 +182,17 @@ class CapturePlan:
 
 def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, window: int,
               *, chunk_leaves: bool | None = None, outbox_memory: str | None = "pinned_host",
-              platform: str | None = None) -> CapturePlan:
+              platform: str | None = None, pack_outbox: bool | None = None) -> CapturePlan:
     """Analyse the optimizer on this state and split the state into ``window`` slices.
 
     ``chunk_leaves``: None splits leaves into row chunks when the update allows it;
     False forces whole-leaf slices. ``outbox_memory``: the memory kind window steps copy
     into (None leaves the copies in device memory, for ``jax.pmap``). ``platform``: the
     backend whose isolation rule the capture follows (default: the params' devices').
+    ``pack_outbox``: pack each phase's outbox into one host copy per element width
+    (:mod:`overlap_ckpt.core.packing`); None packs on GPU and TPU, whose schedulers overlap
+    a few large copies with compute but not hundreds of small ones, and not on the CPU,
+    where the copy is a memcpy that packing would double.
     """
     update = optax_update_fn(tx)
     params_def, params_l = _layouts(params)
@@ -225,8 +231,11 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
         slicing = Slicing(tuple(tuple(Piece(p.leaf, 0, params_l[p.leaf].rows) for p in s)
                                 for s in slicing.slices))
     platform = platform or backend.platform_of(next(iter(params_l[0].sharding.device_set)))
+    if pack_outbox is None:
+        pack_outbox = platform != "cpu"
+    pack_outbox = pack_outbox and outbox_memory is not None and packable([*params_l, *state_l, *extras_l])
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
-                       analysis, slicing, chunk, platform, outbox_memory)
+                       analysis, slicing, chunk, platform, outbox_memory, pack_outbox)
 
 
 def _on_state_devices(layout: LeafLayout, state_sharding: jax.sharding.Sharding) -> LeafLayout:
