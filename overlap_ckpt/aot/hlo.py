@@ -22,6 +22,10 @@ COMPUTE_OPCODES = frozenset({"fusion", "custom-call", "convolution", "dot", "whi
 _DTYPE_BYTES = {"pred": 1, "s8": 1, "u8": 1, "s16": 2, "u16": 2, "f16": 2, "bf16": 2, "s32": 4, "u32": 4,
                 "f32": 4, "s64": 8, "u64": 8, "f64": 8, "c64": 8, "c128": 16, "f8e4m3fn": 1, "f8e5m2": 1,
                 "s4": 1, "u4": 1}
+# What a device copy of an argument may read instead of the parameter itself: a view of it
+# (a packed outbox of one whole leaf is a bitcast of it, see overlap_ckpt.core.packing), or
+# the TPU's copy of it into another on-chip memory space.
+_VIEWS = frozenset({"bitcast", "bitcast-convert", "reshape", "copy"})
 _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
@@ -154,6 +158,8 @@ def device_copies(instructions: list[Instruction]) -> list[DeviceCopy]:
     for ins in instructions:
         if ins.opcode in ("copy", "copy-start") and HOST_SPACE not in _first_array(ins.shape) and ins.operands:
             src = by_name.get(ins.operands[0])
+            while src is not None and src.opcode in _VIEWS and src.operands:
+                src = by_name.get(src.operands[0])
             if src is not None and src.opcode == "parameter" and "S(" not in _first_array(ins.shape):
                 out.append(DeviceCopy(src.op_name or src.name, array_bytes(ins.shape)))
     return out
@@ -161,7 +167,16 @@ def device_copies(instructions: list[Instruction]) -> list[DeviceCopy]:
 
 def source_leaf(ins: Instruction, by_name: dict[str, Instruction], depth: int = 8) -> str:
     """The argument a copy reads (through slices, bitcasts and fusions of it), named by
-    its path in the step's arguments; else the operation that produced the value."""
+    its path in the step's arguments; else the operation that produced the value. A copy of
+    several values concatenated (a packed outbox, overlap_ckpt.core.packing) is named after
+    the first of them."""
+    src = by_name.get(ins.operands[0]) if ins.operands else None
+    if src is not None and src.opcode in ("fusion", "concatenate") and len(src.operands) > 1:
+        return f"a packed outbox ({_first_leaf(ins, by_name, depth)}, ...)"
+    return _first_leaf(ins, by_name, depth)
+
+
+def _first_leaf(ins: Instruction, by_name: dict[str, Instruction], depth: int) -> str:
     current = ins
     for _ in range(depth):
         if not current.operands:
