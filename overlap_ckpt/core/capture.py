@@ -19,8 +19,8 @@ The outbox of phase ``j`` of a K-step window (:class:`Outbox`):
 
 The copies read the step's *input* buffers inside the same program, so donation stays
 correct, and they are placed in the plan's host memory kind (``pinned_host``) so XLA
-schedules them as asynchronous device-to-host copies beside the step's compute. On GPU and
-TPU those lists travel packed, one copy per element width (:mod:`overlap_ckpt.core.packing`).
+schedules them as asynchronous device-to-host copies beside the step's compute. On GPU
+those lists travel packed, one copy per element width (:mod:`overlap_ckpt.core.packing`).
 """
 
 from __future__ import annotations
@@ -69,7 +69,7 @@ class WindowTicket:
 class Outbox:
     """The host copies one window step produced (see the module docstring).
 
-    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU/TPU) the captured arrays
+    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU) the captured arrays
     are in ``packed``, one host copy per element width and group, and ``packing`` says which
     lists they replace; :func:`overlap_ckpt.core.packing.unpacked` gives them back as lists.
     """

@@ -54,6 +54,6 @@ def test_train_state_window_programs(target_name):
     assert report.plain_is_users_program
     for program in report.phases:
         assert program.host_copies and all(c.asynchronous for c in program.host_copies), program.name
-        # the packed outbox: compute runs while every copy transfers
-        assert all(c.overlapped for c in program.host_copies), (program.name, program.host_copies)
+        if plan.pack_outbox:  # GPU: compute runs while every copy transfers (see TPU_UNPACKED_REASON)
+            assert all(c.overlapped for c in program.host_copies), (program.name, program.host_copies)
     assert_within_plain_plus_outbox(report)

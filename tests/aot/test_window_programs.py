@@ -15,7 +15,7 @@ from overlap_ckpt.aot.lm_step import lm_setup, lower_reference, lower_with, plan
 from overlap_ckpt.aot.window import compile_window
 from overlap_ckpt.core.capture import WindowTicket
 
-from .conftest import TPU_TARGET, assert_within_plain_plus_outbox, target_or_skip
+from .conftest import TPU_TARGET, TPU_UNPACKED_REASON, assert_within_plain_plus_outbox, target_or_skip
 
 K = 2
 
@@ -54,10 +54,14 @@ def test_window_device_memory_within_plain_step_plus_outbox(compiled):
     assert_within_plain_plus_outbox(report)
 
 
-def test_compute_is_scheduled_between_every_copy_start_and_done(compiled):
-    """Each phase's outbox is packed into one host copy per dtype and per group (the state,
-    the gradients), which XLA overlaps with compute; per-leaf copies were mostly serialized."""
-    _, _, report = compiled
+def test_compute_is_scheduled_between_every_copy_start_and_done(compiled, request):
+    """On GPU each phase's outbox is packed into one host copy per element width and group
+    (the state, the gradients), which XLA overlaps with compute; per-leaf copies were mostly
+    serialized. TPU keeps per-leaf copies (see TPU_UNPACKED_REASON)."""
+    _, plan, report = compiled
+    if report.target.platform == "tpu":
+        assert not plan.pack_outbox
+        request.applymarker(pytest.mark.xfail(strict=True, reason=TPU_UNPACKED_REASON))
     for program in report.phases:
         serialized = [c.leaf for c in program.host_copies if not c.overlapped]
         assert not serialized, (program.name, serialized)
