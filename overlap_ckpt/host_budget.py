@@ -43,7 +43,10 @@ class Footprint:
     """What one checkpoint needs on this host, in bytes.
 
     ``copy``: the host copy of this process's blocks; ``scratch``: the most the replay
-    and the writer hold besides the copy at any moment (both are bounded buffers)."""
+    and the writer hold besides the copy at any moment. For a window of K>1 steps that is
+    one phase's outbox (its captured slice until it is copied in, the gradient pieces of
+    the slices it advances until they are applied) and one replay call; the replay frees
+    each part as soon as it is used (tests/core/test_replay_memory.py counts them)."""
 
     copy: int
     scratch: int

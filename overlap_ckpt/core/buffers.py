@@ -42,7 +42,7 @@ class LeafBlocks:
                                 "as captured and cannot be written")
         block = self._owned.get(key)
         if block is None:
-            block = self._owned[key] = np.zeros(extent(index_from_key(key)), self.layout.dtype)
+            block = self._owned[key] = aligned_zeros(extent(index_from_key(key)), self.layout.dtype)
         return block
 
     def adopt(self, key: BlockKey, data: np.ndarray) -> None:
@@ -97,6 +97,24 @@ class HostBuffers:
     def held_bytes(self) -> int:
         """Host memory this copy keeps alive: its own blocks and the captures it adopted."""
         return self.nbytes + self.adopted_bytes
+
+
+XLA_ALIGNMENT = 64  # bytes: XLA:CPU takes a numpy array as a buffer without copying only at this alignment
+
+
+def aligned_zeros(shape: tuple[int, ...], dtype: np.dtype) -> np.ndarray:
+    """Zeros whose data starts on an :data:`XLA_ALIGNMENT` boundary.
+
+    Why: the host replay passes row views of these blocks to a CPU-jitted update. numpy
+    aligns to 16 bytes, and JAX then copies every input before the call; aligned, it
+    reads the block in place (measured: a replay call of 15 MB took 4-8 ms from numpy's
+    allocation, 1.4-2 ms from JAX's own buffers).
+    """
+    dtype = np.dtype(dtype)
+    nbytes = int(np.prod(shape, dtype=np.int64)) * dtype.itemsize
+    raw = np.zeros(nbytes + XLA_ALIGNMENT, np.uint8)
+    start = -raw.ctypes.data % XLA_ALIGNMENT
+    return raw[start:start + nbytes].view(dtype).reshape(shape)
 
 
 def trim_host_memory() -> None:

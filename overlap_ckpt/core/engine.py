@@ -129,6 +129,7 @@ class _Phase:
     outbox: Outbox
     programs: ReplayPrograms
     metadata: dict | None
+    nbytes: int  # of the outbox as submitted: the replay empties it as it goes
 
 
 class OverlapEngine:
@@ -170,6 +171,7 @@ class OverlapEngine:
         self.windows_aborted = 0
         self.replay_seconds = 0.0  # host time spent receiving and replaying phases
         self.replayed_bytes = 0  # state bytes advanced by replay, over completed windows
+        self.apply_seconds = 0.0  # of replay_seconds, the time in replay calls (copy-in excluded)
         # Optional timeline hook (benchmarks): set to a list to get one
         # (step, phase, start, end) tuple of time.perf_counter() per received phase.
         self.spans: list | None = None
@@ -266,9 +268,10 @@ class OverlapEngine:
         if programs is None:
             raise RuntimeError("OverlapEngine.submit: the outbox was captured with a plan this engine "
                                "did not make (use the engine's ticket for the step)")
+        nbytes = outbox_bytes(outbox)
         with self._held_lock:
-            self._queued_bytes += outbox_bytes(outbox)
-        self._queue.put(("phase", _Phase(step, outbox, programs, metadata)))
+            self._queued_bytes += nbytes
+        self._queue.put(("phase", _Phase(step, outbox, programs, metadata, nbytes)))
         return True
 
     def held_bytes(self) -> int:
@@ -363,7 +366,7 @@ class OverlapEngine:
                 window = self._abort(window, repr(e))
             finally:
                 with self._held_lock:
-                    self._queued_bytes -= outbox_bytes(item.outbox)
+                    self._queued_bytes -= item.nbytes
                 if window is None:
                     self._set_window_bytes(0)
             # Hold no captured array past its use: host memory has room for one copy.
@@ -376,6 +379,7 @@ class OverlapEngine:
     def _hand_off(self, window: WindowReplay, metadata: dict | None) -> None:
         params, opt_state, extras = window.result()
         self.replayed_bytes += window.replayed_bytes
+        self.apply_seconds += window.apply_seconds
         try:
             self.sink.put(window.version, self.combine(params, opt_state, extras), metadata)
         except BaseException as e:  # noqa: BLE001 - this step only: the sink refused it

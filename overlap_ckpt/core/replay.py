@@ -10,11 +10,21 @@ The replay runs the user's own optax update, traced on a tree of the *same struc
 as the device's: leaves not in the slices being advanced are one-row dummies. Keeping the
 structure keeps masks, per-leaf branches and XLA's use counts of shared scalars the same
 as on the device, which is what makes the result bitwise equal on the CPU backend.
+
+Host memory (issue 20): a phase holds the host copy, its outbox until each part is used
+(the captured slice until it is copied in, each slice's gradient pieces until they are
+applied), and one replay call's outputs. Replay calls are cut per slice, so the calls of
+slice ``i`` are the same at every later phase and in every window: with row chunks every
+call of a slice has the same shapes, and the replay compiles one program per slice
+(:class:`Chunk`). Each compiled program keeps several MiB of host memory, and a window
+of K=3 on a 20M LM compiled 15 of them when calls were cut per phase.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
+import time
 from typing import Any
 
 import jax
@@ -24,13 +34,34 @@ from ..errors import WindowAborted
 from ..hostarray import index_key, normalize_index
 from . import scalars
 from .capture import Outbox
-from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece
+from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory
 from .interp import InterpretError, interpret
 from .plan import CapturePlan, LeafLayout
 from .separability import blame, flat_update_fn, input_tokens
 from .slicing import Piece
 
 log = logging.getLogger(__name__)
+
+
+@dataclasses.dataclass(frozen=True)
+class Chunk:
+    """One leaf's share of a replay call: the rows the call computes (``rows``) and the
+    rows it writes back into the host copy (``keep``, a sub-range, empty when the call has
+    nothing new of this leaf).
+
+    Why they differ: every call of a slice takes the same number of rows of each of its
+    leaves, so that one compiled program serves them all. A leaf whose rows run out before
+    the slice's last call computes its last rows again (from values already advanced) and
+    the result is dropped. That is exact only for row-separable updates, which is what a
+    chunked plan is; whole-leaf plans compute and keep whole leaves.
+    """
+
+    rows: Piece
+    keep: Piece
+
+
+GradParts = dict[tuple[int, BlockKey], list[tuple[Piece, np.ndarray]]]
+
 
 class WindowReplay:
     """Receives the phases of one window in order and produces the host state at V."""
@@ -44,6 +75,7 @@ class WindowReplay:
         self.shared_after_replay: list[np.ndarray] | None = None
         self.shared: list[np.ndarray] = []
         self.replayed_bytes = 0  # bytes of params + owned state advanced by replay
+        self.apply_seconds = 0.0  # time in replay calls (gather, run, write back), copy-in excluded
 
     @property
     def complete(self) -> bool:
@@ -54,16 +86,26 @@ class WindowReplay:
         if phase != self.next_phase:
             raise WindowAborted(f"window for step {self.version} expected phase {self.next_phase}, got {phase}")
         last = phase == plan.k - 1
-        captured = iter(outbox.state)
-        for piece in plan.slicing.slices[phase]:
-            store_piece(self.buffers.params[piece.leaf], next(captured), piece, adopt=last)
-            for j in plan.analysis.owned_state(piece.leaf):
-                store_piece(self.buffers.state[j], next(captured), plan.state_piece(j, piece), adopt=last)
+        # The outbox is the window's now: each captured array is dropped as soon as it is
+        # used (the slice once copied in, gradient pieces once applied), not at the end of
+        # the phase, so that the host never holds a slice twice while the replay runs.
+        captured, outbox.state = outbox.state, []
+        targets = [(blocks, piece) for p in plan.slicing.slices[phase] for blocks, piece in (
+            (self.buffers.params[p.leaf], p),
+            *((self.buffers.state[j], plan.state_piece(j, p)) for j in plan.analysis.owned_state(p.leaf)))]
+        for i, (blocks, piece) in enumerate(targets):
+            store_piece(blocks, captured[i], piece, adopt=last)
+            captured[i] = None
         self.shared = [replicated_value(x) for x in outbox.shared]
         self._check_shared_version(phase)
         if phase < plan.k - 1:
             packed = [replicated_value(g) for g in outbox.globals]
-            self._replay(phase, outbox.grads, scalars.unpack(packed, plan.analysis.cut_signature))
+            grads, outbox.grads = outbox.grads, []
+            self._replay(phase, grads, scalars.unpack(packed, plan.analysis.cut_signature))
+            # Captured arrays and replay outputs are freed in pieces below glibc's mmap
+            # threshold: without a trim their pages stay in malloc's arenas (measured on the
+            # 20M LM, K=3: ~1.4x the state still resident between windows).
+            trim_host_memory()
         else:
             for layout, blocks, x in zip(plan.extras, self.buffers.extras, outbox.extras):
                 store_piece(blocks, x, Piece(0, 0, layout.rows), adopt=True)
@@ -84,79 +126,81 @@ class WindowReplay:
                     "a training step was not reported to the checkpointer. The window is discarded.")
 
     def _replay(self, phase: int, grads: list[jax.Array], injected: list[np.ndarray]) -> None:
-        plan = self.plan
-        grad_parts: dict[tuple[int, BlockKey], list[tuple[Piece, np.ndarray]]] = {}
-        for piece, g in zip(plan.slicing.pieces_upto(phase), grads):
-            layout = plan.params[piece.leaf]
+        """Apply this phase's gradient to slices 0..``phase``, slice by slice; each slice's
+        gradient pieces are released (``grads`` is emptied) once its calls have run."""
+        slices = self.plan.slicing.slices
+        first, start = 0, time.perf_counter()
+        for i in range(phase + 1):
+            stop = first + len(slices[i])
+            parts = self._grad_parts(slices[i], grads[first:stop])
+            grads[first:stop] = [None] * (stop - first)
+            for batch in self.programs.slice_batches(i):
+                self._replay_batch(batch, parts, injected)
+            del parts
+            first = stop
+        self.apply_seconds += time.perf_counter() - start
+
+    def _grad_parts(self, pieces: tuple[Piece, ...], grads: list[jax.Array]) -> GradParts:
+        """The captured gradient of each piece, by (leaf, host block): views, not copies."""
+        parts: GradParts = {}
+        for piece, g in zip(pieces, grads):
+            layout = self.plan.params[piece.leaf]
             for shard in g.addressable_shards:
                 if shard.replica_id == 0:
                     key = index_key(layout.block_of(normalize_index(shard.index, g.shape), piece))
-                    grad_parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
-        for batch in self.programs.batches(phase):
-            self._replay_batch(phase, batch, grad_parts, injected)
+                    parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
+        return parts
 
-    def _replay_batch(self, phase: int, batch: tuple[Piece, ...], grad_parts: dict,
-                      injected: list[np.ndarray]) -> None:
-        """One replay call over ``batch`` (row ranges of some leaves), in place in the host
-        blocks: its inputs are views of them where rows are contiguous, its outputs are
-        copied back and dropped, so the replay holds at most one batch besides the copy."""
+    def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
+        """One replay call over ``batch``, in place in the host blocks: its inputs are views
+        of them (stacked only when a leaf has several blocks), its outputs are copied back
+        and dropped, so the replay holds at most one call's outputs besides the copy."""
         plan = self.plan
-        by_leaf: dict[int, list[Piece]] = {}
-        for piece in batch:
-            by_leaf.setdefault(piece.leaf, []).append(piece)
-        params_in, grads_in, state_in = {}, {}, {}
-        for k, ranges in by_leaf.items():
-            params_in[k] = self._gather(plan.params[k], self.buffers.params[k], ranges)
-            grads_in[k] = self._gather(plan.params[k], None, ranges, grad_parts, k)
-        for j, owner in enumerate(plan.analysis.state_owner):
-            if owner in by_leaf:
-                state_in[j] = self._gather(plan.state[j], self.buffers.state[j],
-                                           [plan.state_piece(j, p) for p in by_leaf[owner]])
-        args = self.programs.arguments(phase, params_in, state_in, grads_in, self.shared)
+        by_leaf = {chunk.rows.leaf: chunk for chunk in batch}
+        owned = {j: by_leaf[owner] for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf}
+        params_in = {k: self._gather(plan.params[k], self.buffers.params[k], c.rows) for k, c in by_leaf.items()}
+        grads_in = {k: self._gather(plan.params[k], None, c.rows, grad_parts) for k, c in by_leaf.items()}
+        state_in = {j: self._gather(plan.state[j], self.buffers.state[j], plan.state_piece(j, c.rows))
+                    for j, c in owned.items()}
+        args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
+        del params_in, state_in, grads_in
         outs = self.programs.run(args, injected)
-        self.replayed_bytes += sum(x.nbytes for x in params_in.values()) + sum(x.nbytes for x in state_in.values())
-        del params_in, state_in, grads_in, args
+        del args
         n = len(plan.params)
-        for k, ranges in by_leaf.items():
-            self._scatter(plan.params[k], self.buffers.params[k], ranges, outs[k])
-        for j, owner in enumerate(plan.analysis.state_owner):
-            if owner in by_leaf:
-                self._scatter(plan.state[j], self.buffers.state[j],
-                              [plan.state_piece(j, p) for p in by_leaf[owner]], outs[n + j])
+        for k, c in by_leaf.items():
+            self._scatter(plan.params[k], self.buffers.params[k], c.rows, c.keep, outs[k])
+            self.replayed_bytes += self.programs.bytes_of(c.keep)
+        for j, c in owned.items():
+            self._scatter(plan.state[j], self.buffers.state[j], plan.state_piece(j, c.rows),
+                          plan.state_piece(j, c.keep), outs[n + j])
         self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
 
-    def _gather(self, layout: LeafLayout, blocks: dict[BlockKey, np.ndarray] | None, ranges: list[Piece],
-                grad_parts: dict | None = None, leaf: int | None = None) -> np.ndarray:
-        """The replay input of one leaf: its rows in the given pieces, block by block.
-
-        Chunked (elementwise) updates take the row ranges of every block stacked along
-        axis 0 (a view of the block when that is one run of rows); whole-leaf updates take
-        the leaf assembled in its global shape.
-        """
+    def _gather(self, layout: LeafLayout, blocks: Any, rows: Piece, grad_parts: GradParts | None = None) -> np.ndarray:
+        """The replay input of one leaf: ``rows`` of each of its blocks (of the host copy,
+        or of the captured gradient with ``grad_parts``), stacked along axis 0; a view when
+        the leaf has one block. Whole-leaf plans take the leaf in its global shape."""
         keys = [index_key(b) for b in layout.blocks]
 
-        def part(key: BlockKey, piece: Piece) -> np.ndarray:
+        def part(key: BlockKey) -> np.ndarray:
             if grad_parts is None:
-                return blocks[key][piece.start:piece.stop] if layout.shape else blocks[key]
-            for captured, data in grad_parts[(leaf, key)]:
-                if captured.start <= piece.start and piece.stop <= captured.stop:
-                    return data[piece.start - captured.start:piece.stop - captured.start] if layout.shape else data
-            raise WindowAborted(f"no captured gradient holds rows {piece.start}:{piece.stop} of leaf {leaf}")
+                return blocks[key][rows.start:rows.stop] if layout.shape else blocks[key]
+            for captured, data in grad_parts[(rows.leaf, key)]:
+                if captured.start <= rows.start and rows.stop <= captured.stop:
+                    return data[rows.start - captured.start:rows.stop - captured.start] if layout.shape else data
+            raise WindowAborted(f"no captured gradient holds rows {rows.start}:{rows.stop} of leaf {rows.leaf}")
 
+        if len(keys) == 1:
+            return part(keys[0])
         if not self.plan.chunked:
-            if len(keys) == 1:
-                return part(keys[0], ranges[0])
             out = np.empty(layout.shape, layout.dtype)
             for index, key in zip(layout.blocks, keys):
-                out[index] = part(key, ranges[0])
+                out[index] = part(key)
             return out
-        if grad_parts is None:
-            ranges = _merged(ranges)
-        parts = [part(key, p) for key in keys for p in ranges]
-        return parts[0] if len(parts) == 1 else np.concatenate(parts, axis=0)
+        return np.concatenate([part(key) for key in keys], axis=0)
 
-    def _scatter(self, layout: LeafLayout, blocks: dict[BlockKey, np.ndarray], ranges: list[Piece],
-                 value: Any) -> None:
+    def _scatter(self, layout: LeafLayout, blocks: Any, rows: Piece, keep: Piece, value: Any) -> None:
+        """Write the ``keep`` rows of a call's output (computed over ``rows``) back into the
+        host blocks."""
         value = np.asarray(value)
         keys = [index_key(b) for b in layout.blocks]
         if not self.plan.chunked:
@@ -166,15 +210,14 @@ class WindowReplay:
             for index, key in zip(layout.blocks, keys):
                 np.copyto(blocks[key], value[index])
             return
-        offset = 0
-        for key in keys:
-            for p in _merged(ranges):
-                rows = p.stop - p.start
-                if layout.shape:
-                    np.copyto(blocks[key][p.start:p.stop], value[offset:offset + rows])
-                else:
-                    np.copyto(blocks[key], value)
-                offset += rows
+        if keep.stop == keep.start:
+            return
+        if not layout.shape:
+            np.copyto(blocks[keys[0]], value)
+            return
+        n, lo, hi = rows.stop - rows.start, keep.start - rows.start, keep.stop - rows.start
+        for i, key in enumerate(keys):
+            np.copyto(blocks[key][keep.start:keep.stop], value[i * n + lo:i * n + hi])
 
     def result(self) -> tuple[Any, Any, Any]:
         """(params, opt_state, extras) of version V as trees of :class:`HostArray`."""
@@ -186,47 +229,45 @@ class WindowReplay:
                 jax.tree.unflatten(plan.extras_def, [host_array(b) for b in self.buffers.extras]))
 
 
-def _merged(ranges: list[Piece]) -> list[Piece]:
-    """Row ranges with adjacent ones joined (the pieces of one leaf usually form one run)."""
-    out: list[Piece] = []
-    for p in sorted(ranges):
-        if out and out[-1].stop == p.start:
-            out[-1] = Piece(p.leaf, out[-1].start, p.stop)
-        else:
-            out.append(p)
+def _lockstep(pieces: tuple[Piece, ...], row_bytes, limit: int) -> list[tuple[Chunk, ...]]:
+    """Row chunks of ``pieces`` in calls of about ``limit`` bytes, every call taking the
+    same number of rows of every piece (see :class:`Chunk`): one program for all calls."""
+    total = sum((p.stop - p.start) * row_bytes(p.leaf) for p in pieces)
+    calls = max(1, -(-total // max(limit, 1)))
+    out = []
+    for b in range(calls):
+        batch = []
+        for p in pieces:
+            n = p.stop - p.start
+            c = -(-n // calls)
+            start, stop = p.start + min(b * c, n), min(p.start + (b + 1) * c, p.stop)
+            lo = min(start, p.stop - c)
+            batch.append(Chunk(Piece(p.leaf, lo, lo + c), Piece(p.leaf, start, max(start, stop))))
+        out.append(tuple(batch))
     return out
 
 
-def _batched(pieces: tuple[Piece, ...], piece_bytes, row_bytes, limit: int, chunked: bool) -> list[tuple[Piece, ...]]:
-    """Pieces grouped into batches of at most ``limit`` bytes; with ``chunked`` a piece is
-    cut into row ranges to fit, otherwise a piece larger than ``limit`` is a batch alone."""
-    batches: list[list[Piece]] = [[]]
+def _grouped(pieces: tuple[Piece, ...], piece_bytes, limit: int) -> list[tuple[Chunk, ...]]:
+    """Whole-leaf pieces grouped into calls of at most ``limit`` bytes (a larger piece is
+    a call alone)."""
+    batches: list[list[Chunk]] = [[]]
     filled = 0
     for piece in pieces:
-        start = piece.start
-        while start < piece.stop:
-            per_row = row_bytes(piece.leaf)
-            if chunked:
-                take = min(piece.stop - start, max((limit - filled) // max(per_row, 1), 0))
-                if take == 0 and not batches[-1]:
-                    take = 1
-            else:
-                take = piece.stop - start if (filled + piece_bytes(piece) <= limit or not batches[-1]) else 0
-            if take == 0:
-                batches.append([])
-                filled = 0
-                continue
-            batches[-1].append(Piece(piece.leaf, start, start + take))
-            filled += take * per_row if chunked else piece_bytes(piece)
-            start += take
+        if batches[-1] and filled + piece_bytes(piece) > limit:
+            batches.append([])
+            filled = 0
+        batches[-1].append(Chunk(piece, piece))
+        filled += piece_bytes(piece)
     return [tuple(b) for b in batches if b]
 
 
 class ReplayPrograms:
     """The jitted CPU replay of one plan, and the dummy leaves that keep its tree whole.
 
-    One program serves every phase: ``jax.jit`` compiles once per input shape set, i.e.
-    once per phase, and the cache lives as long as the plan.
+    ``jax.jit`` compiles once per input shape set, and the cache lives as long as the
+    plan: the calls of slice ``i`` are the same at every phase (see :meth:`slice_batches`),
+    so a chunked plan compiles one program per slice, a whole-leaf plan one per group of
+    leaves, and no phase or later window compiles again.
     """
 
     def __init__(self, plan: CapturePlan):
@@ -246,11 +287,12 @@ class ReplayPrograms:
             return [o.value for o in outs], list(injected)
 
         self._run = jax.jit(run)
-        self._dummy_state: dict[int, list[np.ndarray]] = {}
+        self._dummy_state: list[np.ndarray] | None = None
         self.batch_bytes = int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
-        self._batches = [self._make_batches(phase) for phase in range(plan.k - 1)]
+        self._batches = [self._make_batches(i) for i in range(plan.k - 1)]
 
-    def _unit_row_bytes(self, leaf: int) -> int:
+    def unit_row_bytes(self, leaf: int) -> int:
+        """Bytes of one row of a parameter leaf and of the state leaves it owns."""
         plan = self.plan
         return plan.params[leaf].row_bytes + sum(plan.state[j].row_bytes for j in plan.analysis.owned_state(leaf))
 
@@ -259,28 +301,41 @@ class ReplayPrograms:
         return (plan.params[piece.leaf].rows * plan.params[piece.leaf].row_bytes
                 + sum(plan.state[j].rows * plan.state[j].row_bytes for j in plan.analysis.owned_state(piece.leaf)))
 
-    def _make_batches(self, phase: int) -> list[tuple[Piece, ...]]:
-        return _batched(self.plan.slicing.pieces_upto(phase), self._piece_bytes, self._unit_row_bytes,
-                        self.batch_bytes, self.plan.chunked)
+    def _make_batches(self, i: int) -> list[tuple[Chunk, ...]]:
+        pieces = self.plan.slicing.slices[i]
+        if self.plan.chunked:
+            return _lockstep(pieces, self.unit_row_bytes, self.batch_bytes)
+        return _grouped(pieces, self._piece_bytes, self.batch_bytes)
 
-    def batches(self, phase: int) -> list[tuple[Piece, ...]]:
-        """The replay calls of ``phase``: its pieces in batches of about :attr:`batch_bytes`
-        (params + owned state), so that the replay's scratch stays bounded whatever K and
-        the state's size. One program is compiled per batch shape, once per plan."""
-        return self._batches[phase]
+    def slice_batches(self, i: int) -> list[tuple[Chunk, ...]]:
+        """The replay calls that advance slice ``i`` (of a window that is not its last
+        slice) by one step: its pieces in calls of about :attr:`batch_bytes` (params +
+        owned state), so that the replay's scratch stays bounded whatever K and the
+        state's size. Phase ``j`` runs the calls of slices 0..j."""
+        return self._batches[i]
 
     def scratch_bytes(self) -> int:
-        """The most host memory one replay call holds besides the host copy: gathered
-        inputs (when rows are not one run), outputs, and gathered gradients."""
-        plan, most = self.plan, 0
-        for batches in self._batches:
-            for batch in batches:
-                state = sum(self._unit_row_bytes(p.leaf) * (p.stop - p.start) if plan.chunked
-                            else self._piece_bytes(p) for p in batch)
-                grads = sum(plan.params[p.leaf].row_bytes * (p.stop - p.start) if plan.chunked
-                            else plan.params[p.leaf].rows * plan.params[p.leaf].row_bytes for p in batch)
-                most = max(most, 2 * state + grads)
-        return most
+        """The most host memory a phase holds besides the host copy: its outbox (the
+        captured slice until it is copied in, the gradient pieces of slices 0..j until
+        they are applied) and one replay call's inputs (when stacked or converted),
+        outputs and gradients."""
+        plan = self.plan
+        most_call = max((2 * sum(self.bytes_of(c.rows) for c in batch)
+                         + sum(self._grad_bytes(c.rows) for c in batch)
+                         for batches in self._batches for batch in batches), default=0)
+        most_outbox = max((sum(self.bytes_of(p) for p in plan.slicing.slices[j])
+                           + sum(self._grad_bytes(p) for p in plan.slicing.pieces_upto(j))
+                           for j in range(plan.k - 1)), default=0)
+        return most_outbox + most_call
+
+    def bytes_of(self, piece: Piece) -> int:
+        """Bytes of a piece of a parameter leaf and of the state leaves it owns."""
+        if self.plan.chunked:
+            return self.unit_row_bytes(piece.leaf) * (piece.stop - piece.start)
+        return self._piece_bytes(piece)
+
+    def _grad_bytes(self, piece: Piece) -> int:
+        return self.plan.params[piece.leaf].row_bytes * (piece.stop - piece.start)
 
     def dummy(self, layout: LeafLayout) -> np.ndarray:
         """Stand-in for a leaf that is not being advanced. One row when leaves are chunked
@@ -293,21 +348,21 @@ class ReplayPrograms:
             return np.zeros((1,) + tuple(layout.block_shape[1:]), layout.dtype)
         return np.zeros(layout.shape, layout.dtype)
 
-    def dummy_state(self, phase: int) -> list[np.ndarray]:
-        """Zeros shaped like the optimizer state of the reduced tree of ``phase``."""
-        if phase not in self._dummy_state:
+    def dummy_state(self) -> list[np.ndarray]:
+        """Zeros shaped like the optimizer state of the tree of stand-ins."""
+        if self._dummy_state is None:
             plan = self.plan
             avals = [jax.ShapeDtypeStruct(self.dummy(layout).shape, layout.dtype) for layout in plan.params]
             abstract = jax.eval_shape(plan.tx.init, jax.tree.unflatten(plan.params_def, avals))
-            self._dummy_state[phase] = [np.zeros(a.shape, a.dtype) for a in jax.tree.leaves(abstract)]
-        return self._dummy_state[phase]
+            self._dummy_state = [np.zeros(a.shape, a.dtype) for a in jax.tree.leaves(abstract)]
+        return self._dummy_state
 
-    def arguments(self, phase: int, params_in: dict[int, Any], state_in: dict[int, Any],
-                  grads_in: dict[int, Any], shared: list) -> list:
-        """The flat replay arguments of ``phase``: the given leaves (by index), the shared
+    def arguments(self, params_in: dict[int, Any], state_in: dict[int, Any], grads_in: dict[int, Any],
+                  shared: list) -> list:
+        """The flat replay arguments of one call: the given leaves (by index), the shared
         state leaves as the device reported them, and stand-ins for the rest."""
         plan = self.plan
-        dummy_state = self.dummy_state(phase)
+        dummy_state = self.dummy_state()
         params = [params_in[k] if k in params_in else self.dummy(l) for k, l in enumerate(plan.params)]
         grads = [grads_in[k] if k in grads_in else self.dummy(l) for k, l in enumerate(plan.params)]
         shared_iter = iter(shared)
@@ -317,40 +372,39 @@ class ReplayPrograms:
         return [*params, *state, *grads]
 
     def rehearse(self) -> None:
-        """Trace every phase's replay on the real shapes, as a window would run it.
+        """Trace every replay call a window makes, on the real shapes.
 
         Why before training: an optimizer the host cannot replay on slices (state leaves
         shaped unlike what a slice gives them, shape-dependent code paths) must be refused
         when the manager is prepared, not on the replay thread at the first window. Tracing
-        (no compile, no data) finds those; the programs compile on the replay thread.
+        (no compile, no data) finds those; the programs compile on the replay thread. The
+        calls of a slice are the same at every phase, so each is traced once.
         """
         plan = self.plan
         injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
-        for phase, batch in ((phase, batch) for phase in range(plan.k - 1) for batch in self.batches(phase)):
-            by_leaf: dict[int, list[Piece]] = {}
-            for piece in batch:
-                by_leaf.setdefault(piece.leaf, []).append(piece)
-            params_in = {k: self.gathered(plan.params[k], sorted(r)) for k, r in by_leaf.items()}
-            state_in = {j: self.gathered(plan.state[j], [plan.state_piece(j, p) for p in sorted(by_leaf[o])])
+        for i, batch in ((i, batch) for i in range(plan.k - 1) for batch in self.slice_batches(i)):
+            by_leaf = {c.rows.leaf: c.rows for c in batch}
+            params_in = {k: self.gathered(plan.params[k], rows) for k, rows in by_leaf.items()}
+            state_in = {j: self.gathered(plan.state[j], plan.state_piece(j, by_leaf[o]))
                         for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf}
-            args = self.arguments(phase, params_in, state_in, dict(params_in), shared)
-            with blame(self._flat, args, f"on the slices of window phase {phase}",
-                       f"rehearsing the host replay of window phase {phase}"):
+            args = self.arguments(params_in, state_in, dict(params_in), shared)
+            with blame(self._flat, args, f"on slice {i} of a window",
+                       f"rehearsing the host replay of slice {i} of a window"):
                 outs, _ = jax.eval_shape(self._run, args, injected)
             for k, x in params_in.items():
                 if tuple(outs[k].shape) != x.shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "
                                          f"{tuple(outs[k].shape)} for an input of shape {x.shape}")
 
-    def gathered(self, layout: LeafLayout, ranges: list[Piece]) -> jax.ShapeDtypeStruct:
-        """Shape and dtype of :meth:`WindowReplay._gather` of ``ranges`` of this leaf."""
+    def gathered(self, layout: LeafLayout, rows: Piece) -> jax.ShapeDtypeStruct:
+        """Shape and dtype of :meth:`WindowReplay._gather` of ``rows`` of this leaf."""
         if not layout.shape:
             shape: tuple[int, ...] = ()
         elif not self.plan.chunked:
             shape = layout.block_shape if len(layout.blocks) == 1 else layout.shape
         else:
-            shape = (sum(p.stop - p.start for p in ranges) * len(layout.blocks),) + tuple(layout.block_shape[1:])
+            shape = ((rows.stop - rows.start) * len(layout.blocks),) + tuple(layout.block_shape[1:])
         return jax.ShapeDtypeStruct(shape, layout.dtype)
 
     def run(self, args: list[np.ndarray], injected: list[np.ndarray]) -> list[jax.Array]:

@@ -19,11 +19,10 @@ def test_arguments_put_slices_in_place_and_stand_ins_elsewhere():
     programs = ReplayPrograms(plan)
     first = plan.slicing.slices[0]
     leaf = first[0].leaf
-    ranges = [p for p in first if p.leaf == leaf]
-    shape = programs.gathered(plan.params[leaf], ranges)
-    assert shape.shape[0] == sum(p.stop - p.start for p in ranges)
+    shape = programs.gathered(plan.params[leaf], first[0])
+    assert shape.shape[0] == first[0].stop - first[0].start
     gathered = np.zeros(shape.shape, shape.dtype)
-    args = programs.arguments(0, {leaf: gathered}, {}, {leaf: gathered}, [np.zeros((), np.int32)])
+    args = programs.arguments({leaf: gathered}, {}, {leaf: gathered}, [np.zeros((), np.int32)])
     n, m = len(plan.params), len(plan.state)
     assert len(args) == 2 * n + m and args[leaf] is gathered
     other = 1 - leaf
@@ -38,4 +37,4 @@ def test_rehearse_traces_every_phase_and_whole_leaf_stand_ins_keep_shapes():
     programs = ReplayPrograms(plan)
     programs.rehearse()  # raises if a phase cannot be replayed (traced, not compiled)
     assert programs.dummy(plan.params[0]).shape == (256, 192)  # adafactor picks code by shape
-    assert jax.tree.structure(programs.dummy_state(0)) == jax.tree.structure([0] * len(plan.state))
+    assert jax.tree.structure(programs.dummy_state()) == jax.tree.structure([0] * len(plan.state))
