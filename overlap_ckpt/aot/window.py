@@ -14,11 +14,14 @@ from typing import Callable
 import jax
 
 from ..core.capture import WindowTicket
+from ..core.packing import SMALL_COPY_BYTES
 from ..core.plan import CapturePlan
 from .programs import ProgramReport, compile_program
 from .targets import Target
 
-MAX_SERIALIZED_BYTES = 1 << 20  # a blocking copy above this is a stall worth failing on
+# A blocking copy above this is a stall worth failing on; TPU plans pack the items up to it
+# (overlap_ckpt.core.packing), so every copy a TPU phase makes on its own is above it.
+MAX_SERIALIZED_BYTES = SMALL_COPY_BYTES
 
 LowerStep = Callable[[WindowTicket | None], jax.stages.Lowered]
 

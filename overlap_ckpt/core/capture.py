@@ -20,7 +20,8 @@ The outbox of phase ``j`` of a K-step window (:class:`Outbox`):
 The copies read the step's *input* buffers inside the same program, so donation stays
 correct, and they are placed in the plan's host memory kind (``pinned_host``) so XLA
 schedules them as asynchronous device-to-host copies beside the step's compute. On GPU
-those lists travel packed, one copy per element width (:mod:`overlap_ckpt.core.packing`).
+those lists travel packed, one copy per element width (:mod:`overlap_ckpt.core.packing`);
+on TPU only their small items do, the others keep a copy each.
 """
 
 from __future__ import annotations
@@ -69,9 +70,10 @@ class WindowTicket:
 class Outbox:
     """The host copies one window step produced (see the module docstring).
 
-    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU) the captured arrays
+    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU and TPU) the captured arrays
     are in ``packed``, one host copy per element width and group, and ``packing`` says which
-    lists they replace; :func:`overlap_ckpt.core.packing.unpacked` gives them back as lists.
+    lists they belong to; the lists then hold only the items not packed (on TPU, the large
+    ones), in item order. :func:`overlap_ckpt.core.packing.unpacked` gives back full lists.
     """
 
     ticket: WindowTicket
@@ -282,7 +284,8 @@ def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any)
     late = [False] * len(outbox.packed)  # copied after the barrier: the update does not wait
     if ticket.last and outbox.packing is not None:
         items = packing.phase_items(ticket.plan, ticket.phase, outbox.packing.extras).state_items()
-        late = [not view for view in packing.views(items)]
+        chosen = [item for item, packed in zip(items, packing.selected(ticket.plan, items)) if packed]
+        late = [not view for view in packing.views(chosen)]
     outbox.packed = [x if wait else packed_to_host(ticket.plan, x) for x, wait in zip(outbox.packed, late)]
     (outbox.state, outbox.shared, outbox.packed), params, opt_state = jax.lax.optimization_barrier(
         ((outbox.state, outbox.shared, outbox.packed), params, opt_state))
@@ -313,14 +316,24 @@ def capture_state(ticket: WindowTicket, params, opt_state, extras: Any, *, place
     sources = {"params": jax.tree.leaves(params), "state": jax.tree.leaves(opt_state),
                "extras": jax.tree.leaves(extras)}
     arrays = {name: [sources[source][item.piece.leaf] for source, item in entries] for name, entries in items.parts()}
-    if packs(plan):
-        packed = packing.pack(sum(arrays.values(), []), items.state_items(), packing.packed_sharding(plan))
-        return Outbox(ticket, [], [], [], [], [], packed=[packed_to_host(plan, x) for x in packed] if place_packed else packed,
-                      packing=packing.Packing(extras=with_extras))
-    captured = [take_rows(x, item.layout, item.piece, plan) for x, (_, item) in zip(arrays["state"], items.state)]
-    shared = [to_host(x, plan, item.layout.sharding) for x, (_, item) in zip(arrays["shared"], items.shared)]
-    extras_out = capture_extras(ticket, extras) if with_extras else []
-    return Outbox(ticket, captured, shared, [], [], extras_out)
+    if not packs(plan):
+        captured = [take_rows(x, item.layout, item.piece, plan) for x, (_, item) in zip(arrays["state"], items.state)]
+        shared = [to_host(x, plan, item.layout.sharding) for x, (_, item) in zip(arrays["shared"], items.shared)]
+        extras_out = capture_extras(ticket, extras) if with_extras else []
+        return Outbox(ticket, captured, shared, [], [], extras_out)
+    # Packed: the selected items in one array per element width, the others (large items on
+    # TPU, see packing.selected) each in a copy of its own, in the lists, in item order.
+    own: dict[str, list[jax.Array]] = {}
+    selected: list[tuple[jax.Array, packing.Item]] = []
+    for name, entries in items.parts():
+        mask = packing.selected(plan, [item for _, item in entries])
+        own[name] = [take_rows(x, item.layout, item.piece, plan)
+                     for x, (_, item), packed in zip(arrays[name], entries, mask) if not packed]
+        selected += [(x, item) for x, (_, item), packed in zip(arrays[name], entries, mask) if packed]
+    packed = packing.pack([x for x, _ in selected], [item for _, item in selected], packing.packed_sharding(plan))
+    return Outbox(ticket, own["state"], own["shared"], [], [], own["extras"],
+                  packed=[packed_to_host(plan, x) for x in packed] if place_packed else packed,
+                  packing=packing.Packing(extras=with_extras))
 
 
 def capture_extras(ticket: WindowTicket, extras: Any) -> list[jax.Array]:
@@ -339,13 +352,19 @@ def capture_grads(ticket: WindowTicket, grads, cuts: list) -> tuple[list, list]:
 
 
 def capture_grads_packed(outbox: Outbox, grads, cuts: list) -> None:
-    """Add the gradient pieces to a packed ``outbox`` as one host copy per element width (a
-    group of their own: they are ready only after the backward pass), and the global scalars."""
+    """Add the gradient pieces to a packed ``outbox``, the selected ones
+    (:func:`overlap_ckpt.core.packing.selected`) as one host copy per element width (a group
+    of their own: they are ready only after the backward pass), the others each in a copy
+    of its own; and the global scalars."""
     ticket = outbox.ticket
     plan = ticket.plan
     grads_leaves = jax.tree.leaves(grads)
     items = packing.grad_items(plan, ticket.phase)
-    packed = packing.pack([grads_leaves[item.piece.leaf] for item in items], items, packing.packed_sharding(plan))
+    mask = packing.selected(plan, items)
+    chosen = [item for item, packed in zip(items, mask) if packed]
+    packed = packing.pack([grads_leaves[item.piece.leaf] for item in chosen], chosen, packing.packed_sharding(plan))
     outbox.packed = outbox.packed + [packed_to_host(plan, x) for x in packed]
+    outbox.grads = [take_rows(grads_leaves[item.piece.leaf], item.layout, item.piece, plan)
+                    for item, packed_ in zip(items, mask) if not packed_]
     outbox.packing = dataclasses.replace(outbox.packing, grads=True)
     outbox.globals = scalars_to_host(plan, scalars.pack(cuts))

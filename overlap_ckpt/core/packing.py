@@ -19,6 +19,13 @@ replay and the host buffers see what an unpacked outbox gives.
 Two groups are packed separately, because they are ready at different times: the state
 (slice, shared leaves, extras: inputs of the step, copied while it computes) and the
 gradient pieces (ready after the backward pass, copied while the update runs).
+
+A plan may pack only its small items (``CapturePlan.pack_max_bytes``, TPU): the serialized
+copies are the small ones (XLA:TPU overlapped every copy over 1 MiB of the tiny to 1B LMs
+and serialized most of those under it), while packing a large leaf costs device memory
+(XLA:TPU relays out each (8,128)-tiled leaf into the 1-D array: 7.7 GiB of temporaries for
+the 1B LM packed whole). The other items keep a copy of their own, in the outbox's lists,
+in item order; :func:`unpacked` merges the two back.
 """
 
 from __future__ import annotations
@@ -38,6 +45,11 @@ from .slicing import Piece
 if TYPE_CHECKING:  # plan.py asks packable() whether a plan packs; capture.py packs
     from .capture import Outbox
     from .plan import CapturePlan, LeafLayout
+
+# Items of at most this many bytes per device are packed on TPU (make_plan), and a
+# serialized copy of at most this many bytes is tolerated by the compiled-program check
+# (overlap_ckpt.aot.window): what is small enough to pack is small enough not to matter.
+SMALL_COPY_BYTES = 1 << 20
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,6 +77,11 @@ class Item:
     @property
     def local_size(self) -> int:
         return int(np.prod(self.local_shape, dtype=np.int64))
+
+    @property
+    def local_bytes(self) -> int:
+        """Bytes of this item on one device (what its own host copy moves per device)."""
+        return self.local_size * np.dtype(self.layout.dtype).itemsize
 
     def rows_of(self, block: jax.Array) -> jax.Array:
         """This item's rows of one local block, ravelled."""
@@ -124,19 +141,40 @@ class Packing:
 
 def unpacked(outbox: Outbox) -> Outbox:
     """``outbox`` with its packed host copies cut back into the per-leaf lists an unpacked
-    outbox carries (views, no copy); an unpacked outbox as it is."""
+    outbox carries (views, no copy), merged in item order with the items copied on their
+    own (:func:`selected`); an unpacked outbox as it is."""
     layout = outbox.packing
     if layout is None:
         return outbox
     plan, phase = outbox.ticket.plan, outbox.ticket.phase
     items = phase_items(plan, phase, layout.extras)
-    n_state = len(groups(items.state_items()))
-    arrays = iter(unpack(outbox.packed[:n_state], items.state_items()))
+    state_items = items.state_items()
+    n_state = len(groups([item for item, packed in zip(state_items, selected(plan, state_items)) if packed]))
+    own = [*outbox.state, *outbox.shared, *(outbox.extras if layout.extras else [])]
+    arrays = iter(merge(plan, state_items, outbox.packed[:n_state], own))
     parts = {name: [next(arrays) for _ in entries] for name, entries in items.parts()}
-    grads = unpack(outbox.packed[n_state:], grad_items(plan, phase)) if layout.grads else outbox.grads
+    grads = merge(plan, grad_items(plan, phase), outbox.packed[n_state:], outbox.grads) if layout.grads else outbox.grads
     return dataclasses.replace(outbox, state=parts["state"], shared=parts["shared"], grads=grads,
                                extras=parts["extras"] if layout.extras else outbox.extras,
                                packed=[], packing=None)
+
+
+def selected(plan: CapturePlan, items: Sequence[Item]) -> list[bool]:
+    """Per item of a plan that packs: whether it travels packed (at most the plan's
+    ``pack_max_bytes`` per device; every item when that is None) or in a copy of its own."""
+    limit = plan.pack_max_bytes
+    return [limit is None or item.local_bytes <= limit for item in items]
+
+
+def merge(plan: CapturePlan, items: Sequence[Item], packed: Sequence[jax.Array], own: Sequence[Any]) -> list[Any]:
+    """The outbox arrays of ``items``: the selected ones cut out of their packed host copies
+    (:func:`unpack`), the others taken in order from ``own`` (their own copies)."""
+    mask = selected(plan, items)
+    cut = iter(unpack(packed, [item for item, packed_ in zip(items, mask) if packed_]))
+    rest = iter(own)
+    out = [next(cut) if packed_ else next(rest) for packed_ in mask]
+    assert next(rest, None) is None, "more own copies than unpacked items"
+    return out
 
 
 def packable(layouts: Sequence[LeafLayout]) -> bool:

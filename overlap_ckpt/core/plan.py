@@ -18,7 +18,7 @@ import optax
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
 from ..hostarray import covers, index_key, local_blocks, normalize_index
 from . import backend
-from .packing import packable
+from .packing import SMALL_COPY_BYTES, packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
 from .slicing import Piece, Slicing, make_slicing
 
@@ -120,12 +120,14 @@ class CapturePlan:
     chunked: bool  # leaves may be split into row chunks (elementwise update)
     platform: str  # "cpu", "gpu", "tpu": how the update is isolated on the device
     outbox_memory: str | None = "pinned_host"  # memory kind of the captured copies (None: device)
-    pack_outbox: bool = False  # one host copy per dtype instead of one per leaf (core.packing)
+    pack_outbox: bool = False  # one host copy per element width instead of one per leaf (core.packing)
+    pack_max_bytes: int | None = None  # pack only items of at most this many bytes per device (None: all)
 
     def _key(self) -> tuple:
         return (self.tx.init, self.tx.update, self.params_def, self.state_def, self.extras_def,
                 tuple(self.params), tuple(self.state), tuple(self.extras), self.analysis,
-                self.slicing, self.chunked, self.platform, self.outbox_memory, self.pack_outbox)
+                self.slicing, self.chunked, self.platform, self.outbox_memory, self.pack_outbox,
+                self.pack_max_bytes)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -182,7 +184,8 @@ class CapturePlan:
 
 def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, window: int,
               *, chunk_leaves: bool | None = None, outbox_memory: str | None = "pinned_host",
-              platform: str | None = None, pack_outbox: bool | None = None) -> CapturePlan:
+              platform: str | None = None, pack_outbox: bool | None = None,
+              pack_max_bytes: int | None = None) -> CapturePlan:
     """Analyse the optimizer on this state and split the state into ``window`` slices.
 
     ``chunk_leaves``: None splits leaves into row chunks when the update allows it;
@@ -190,11 +193,15 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     into (None leaves the copies in device memory, for ``jax.pmap``). ``platform``: the
     backend whose isolation rule the capture follows (default: the params' devices').
     ``pack_outbox``: pack each phase's outbox into one host copy per element width
-    (:mod:`overlap_ckpt.core.packing`); None packs on GPU only. XLA:GPU overlaps a few large
-    copies with compute but not hundreds of small ones (compile-only H100, 1B LM). XLA:TPU
-    overlapped every per-leaf copy of the 1B LM on v5e:2x2, and packing there cost 7.7 GiB
-    of device temporaries (each tiled leaf relaid out into the 1-D packed array). On the
-    CPU the copy is a memcpy that packing would double.
+    (:mod:`overlap_ckpt.core.packing`); None packs on GPU and TPU. XLA:GPU overlaps a few
+    large copies with compute but not hundreds of small ones (compile-only H100, 1B LM).
+    ``pack_max_bytes``: pack only the items of at most this many bytes per device, the
+    others keep a copy each; None: every item, except on TPU, where only items up to
+    :data:`~overlap_ckpt.core.packing.SMALL_COPY_BYTES` are packed. XLA:TPU serialized most
+    small per-leaf copies of the tiny LMs but overlapped every larger one (all 877 of the
+    1B LM on v5e:2x2), and packing every leaf there cost 7.7 GiB of device temporaries
+    (each tiled leaf relaid out into the 1-D packed array). On the CPU the copy is a
+    memcpy that packing would double: it does not pack unless told to.
     """
     update = optax_update_fn(tx)
     params_def, params_l = _layouts(params)
@@ -234,10 +241,13 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
                                 for s in slicing.slices))
     platform = platform or backend.platform_of(next(iter(params_l[0].sharding.device_set)))
     if pack_outbox is None:
-        pack_outbox = platform == "gpu"
+        pack_outbox = platform in ("gpu", "tpu")
     pack_outbox = pack_outbox and outbox_memory is not None and packable([*params_l, *state_l, *extras_l])
+    if pack_max_bytes is None and platform == "tpu":
+        pack_max_bytes = SMALL_COPY_BYTES
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
-                       analysis, slicing, chunk, platform, outbox_memory, pack_outbox)
+                       analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
+                       pack_max_bytes if pack_outbox else None)
 
 
 def _on_state_devices(layout: LeafLayout, state_sharding: jax.sharding.Sharding) -> LeafLayout:

@@ -22,17 +22,11 @@ def target_or_skip(name: str):
         pytest.skip(str(e))
 
 
-# Measured, not yet explained: a TPU window phase of the tiny LMs allocates ~12 MB of device
+# Measured, not yet explained: a TPU window phase of the tiny LMs allocates ~10 MB of device
 # temporaries where the plain step needs none (its intermediates stay on chip), also with
-# no barrier and for a phase with a 0.4 MB outbox; see docs/aot.md.
-TPU_TEMP_REASON = "TPU window phases of a tiny model allocate ~12 MB of temporaries the plain step does not"
+# no barrier, packed or not (per leaf: 11-13 MB), for a phase with a 0.4 MB outbox; see docs/aot.md.
+TPU_TEMP_REASON = "TPU window phases of a tiny model allocate ~10 MB of temporaries the plain step does not"
 
-
-# Measured: XLA:TPU serializes most per-leaf copies of the tiny LMs (it overlaps all 877 of
-# the 1B LM's on v5e:2x2). Packing overlaps the tiny LMs' copies there too, but cost the 1B
-# LM 7.7 GiB of device temporaries (every tiled leaf relaid out into the 1-D packed array),
-# so TPU plans do not pack; see docs/aot.md.
-TPU_UNPACKED_REASON = "XLA:TPU serializes most per-leaf copies of a tiny LM's outbox; TPU plans do not pack"
 
 # Measured, not yet fixed: a packed outbox (overlap_ckpt/core/packing.py) is a device buffer
 # while its host copy runs; in the last phase of the tiny Linen LM the copy spans the whole
