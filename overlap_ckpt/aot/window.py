@@ -19,8 +19,8 @@ from ..core.plan import CapturePlan
 from .programs import ProgramReport, compile_program
 from .targets import Target
 
-# A blocking copy above this is a stall worth failing on; TPU plans pack the items up to it
-# (overlap_ckpt.core.packing), so every copy a TPU phase makes on its own is above it.
+# A blocking copy above this is a stall worth failing on (the small copies a TPU phase still
+# makes on its own are packed or, at most this size, tolerated: overlap_ckpt.core.packing).
 MAX_SERIALIZED_BYTES = SMALL_COPY_BYTES
 
 LowerStep = Callable[[WindowTicket | None], jax.stages.Lowered]

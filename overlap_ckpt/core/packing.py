@@ -22,7 +22,7 @@ gradient pieces (ready after the backward pass, copied while the update runs).
 
 A plan may pack only its small items (``CapturePlan.pack_max_bytes``, TPU): the serialized
 copies are the small ones (XLA:TPU overlapped every copy over 1 MiB of the tiny to 1B LMs
-and serialized most of those under it), while packing a large leaf costs device memory
+and serialized many of those under it), while packing a large leaf costs device memory
 (XLA:TPU relays out each (8,128)-tiled leaf into the 1-D array: 7.7 GiB of temporaries for
 the 1B LM packed whole). The other items keep a copy of their own, in the outbox's lists,
 in item order; :func:`unpacked` merges the two back.
@@ -46,10 +46,15 @@ if TYPE_CHECKING:  # plan.py asks packable() whether a plan packs; capture.py pa
     from .capture import Outbox
     from .plan import CapturePlan, LeafLayout
 
-# Items of at most this many bytes per device are packed on TPU (make_plan), and a
-# serialized copy of at most this many bytes is tolerated by the compiled-program check
-# (overlap_ckpt.aot.window): what is small enough to pack is small enough not to matter.
+# A serialized copy of at most this many bytes is tolerated by the compiled-program check
+# (overlap_ckpt.aot.window): at a TPU host link (~25 GB/s) it blocks for ~40 us.
 SMALL_COPY_BYTES = 1 << 20
+# TPU plans pack the items of at most this many bytes per device (make_plan). Measured on
+# v5e:2x2 (NNX LM, K=2): at 64 KiB every copy of the tiny LM overlaps, and the 20m LM's
+# phases stay within plain + outbox with the copies XLA still serializes all at most
+# SMALL_COPY_BYTES; at 1 MiB the 20m LM's packed group cost 23 MiB of device memory beyond
+# its outbox (the relayout of the tiled leaves into the 1-D array).
+TPU_PACK_MAX_BYTES = 64 << 10
 
 
 @dataclasses.dataclass(frozen=True)

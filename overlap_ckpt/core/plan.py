@@ -18,7 +18,7 @@ import optax
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
 from ..hostarray import covers, index_key, local_blocks, normalize_index
 from . import backend
-from .packing import SMALL_COPY_BYTES, packable
+from .packing import TPU_PACK_MAX_BYTES, packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
 from .slicing import Piece, Slicing, make_slicing
 
@@ -197,7 +197,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     large copies with compute but not hundreds of small ones (compile-only H100, 1B LM).
     ``pack_max_bytes``: pack only the items of at most this many bytes per device, the
     others keep a copy each; None: every item, except on TPU, where only items up to
-    :data:`~overlap_ckpt.core.packing.SMALL_COPY_BYTES` are packed. XLA:TPU serialized most
+    :data:`~overlap_ckpt.core.packing.TPU_PACK_MAX_BYTES` are packed. XLA:TPU serialized most
     small per-leaf copies of the tiny LMs but overlapped every larger one (all 877 of the
     1B LM on v5e:2x2), and packing every leaf there cost 7.7 GiB of device temporaries
     (each tiled leaf relaid out into the 1-D packed array). On the CPU the copy is a
@@ -244,7 +244,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
         pack_outbox = platform in ("gpu", "tpu")
     pack_outbox = pack_outbox and outbox_memory is not None and packable([*params_l, *state_l, *extras_l])
     if pack_max_bytes is None and platform == "tpu":
-        pack_max_bytes = SMALL_COPY_BYTES
+        pack_max_bytes = TPU_PACK_MAX_BYTES
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
                        pack_max_bytes if pack_outbox else None)

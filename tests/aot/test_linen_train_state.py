@@ -49,7 +49,7 @@ def test_train_state_window_programs(target_name):
     state, batch = abstract_state(oc.TrainState, target)
     flax_state, _ = abstract_state(train_state.TrainState, target)
     plan = plan_state(state, 2)
-    assert plan.pack_outbox  # GPU: every item; TPU: those up to 1 MiB (see docs/aot.md)
+    assert plan.pack_outbox  # GPU: every item; TPU: those up to 64 KiB (see docs/aot.md)
     report = compile_window(lower_in_window(jitted_step(state, batch), state, batch), plan, target,
                             reference=jitted_step(flax_state, batch).lower(flax_state, batch))
     assert report.plain_is_users_program

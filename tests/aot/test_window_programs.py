@@ -14,7 +14,7 @@ import pytest
 from overlap_ckpt.aot.lm_step import lm_setup, lower_reference, lower_with, plan_window
 from overlap_ckpt.aot.window import compile_window
 from overlap_ckpt.core.capture import WindowTicket
-from overlap_ckpt.core.packing import SMALL_COPY_BYTES
+from overlap_ckpt.core.packing import TPU_PACK_MAX_BYTES
 
 from .conftest import TPU_TARGET, assert_within_plain_plus_outbox, target_or_skip
 
@@ -58,12 +58,12 @@ def test_window_device_memory_within_plain_step_plus_outbox(compiled):
 def test_compute_is_scheduled_between_every_copy_start_and_done(compiled):
     """Each phase's outbox is packed into one host copy per element width and group (the
     state, the gradients), which XLA overlaps with compute; per-leaf copies were mostly
-    serialized. On TPU only the items up to SMALL_COPY_BYTES are packed (all of the tiny
+    serialized. On TPU only the items up to TPU_PACK_MAX_BYTES are packed (all of the tiny
     LM's): XLA:TPU overlaps the larger ones' own copies (see docs/aot.md)."""
     _, plan, report = compiled
     assert plan.pack_outbox
     if report.target.platform == "tpu":
-        assert plan.pack_max_bytes == SMALL_COPY_BYTES
+        assert plan.pack_max_bytes == TPU_PACK_MAX_BYTES
     for program in report.phases:
         serialized = [c.leaf for c in program.host_copies if not c.overlapped]
         assert not serialized, (program.name, serialized)
