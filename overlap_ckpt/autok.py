@@ -138,8 +138,6 @@ def predict_window(lowered: Any, device: Any, devices: int, state_bytes: float, 
     except Exception as e:  # noqa: BLE001 - a backend without cost analysis: measure instead
         log.info("window='auto': no cost analysis of the step (%s); measuring instead", e)
         return None
-    if isinstance(analysis, (list, tuple)):  # older jax: one dict per program
-        analysis = analysis[0] if analysis else None
     flops = (analysis or {}).get("flops")
     if not flops or flops <= 0:
         return None

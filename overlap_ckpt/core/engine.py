@@ -145,7 +145,7 @@ class OverlapEngine:
       outbox_memory: memory kind of the in-graph copies (default: the backend's host memory;
         None: device memory, for pmap).
       pack_outbox: one host copy per element width per window step instead of one per leaf
-        (None: on GPU, and on TPU the leaves up to 1 MiB; see :func:`overlap_ckpt.core.plan.make_plan`).
+        (None: on GPU, and on TPU the small leaves; see :func:`overlap_ckpt.core.plan.make_plan`).
     """
 
     def __init__(self, tx: optax.GradientTransformation, sink: Sink, *, interval: int, window: int = 1,

@@ -39,7 +39,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
-from ..hostarray import Index, index_key, normalize_index
+from ..hostarray import HostShard, Index, index_key, normalize_index
 from .slicing import Piece
 
 if TYPE_CHECKING:  # plan.py asks packable() whether a plan packs; capture.py packs
@@ -254,13 +254,11 @@ def _bits(x: jax.Array) -> jax.Array:
     return jax.lax.bitcast_convert_type(x, carrier(x.dtype))
 
 
-@dataclasses.dataclass(frozen=True)
-class CapturedShard:
-    """One block of a :class:`Captured` array, as ``jax.Shard`` exposes it to the host side."""
+class CapturedShard(HostShard):
+    """One block of a :class:`Captured` array, read as the engine reads a ``jax.Shard``:
+    :func:`unpack` keeps one block per index, so each is replica 0."""
 
-    index: Index
-    data: np.ndarray
-    replica_id: int = 0
+    replica_id = 0
 
 
 @dataclasses.dataclass(frozen=True)
