@@ -30,6 +30,8 @@ _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _QUEUE = re.compile(r'"operation_queue_id":"(\d+)"')
+# "allocation 306: size 5259776, preallocated-temp:" (device memory: no color, or color 0)
+_TEMP_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (?:color (\d+), )?preallocated-temp:", re.M)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -188,3 +190,11 @@ def _first_leaf(ins: Instruction, by_name: dict[str, Instruction], depth: int) -
             return src.op_name or src.name
         current = src
     return current.op_name or current.name
+
+
+def device_temp_bytes(buffer_assignment: str) -> int:
+    """The temporaries a program reserves in device memory, from XLA's buffer assignment
+    dump (``*after_optimizations-buffer-assignment.txt``): its preallocated temp blocks in
+    memory space 0. The other spaces are on-chip scratch (TPU VMEM, SMEM) or host memory
+    (5), which the outbox is counted in."""
+    return sum(int(size) for size, color in _TEMP_ALLOCATION.findall(buffer_assignment) if color in ("", "0"))

@@ -3,18 +3,23 @@
 from __future__ import annotations
 
 import dataclasses
+import glob
 import hashlib
+import os
 import re
+import tempfile
 import time
 
 import jax
 
-from .hlo import DeviceCopy, HostCopy, device_copies, entry_instructions, host_copies
+from .hlo import DeviceCopy, HostCopy, device_copies, device_temp_bytes, entry_instructions, host_copies
 
 
 @dataclasses.dataclass(frozen=True)
 class DeviceMemory:
-    """``compiled.memory_analysis()`` in device memory, per device, in bytes."""
+    """A compiled program's device memory, per device, in bytes: ``memory_analysis()``'s
+    arguments, outputs and aliases, and the temporaries of XLA's buffer assignment (see
+    :func:`compile_program`)."""
 
     argument: int
     output: int
@@ -42,14 +47,28 @@ class ProgramReport:
 
 
 def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramReport, jax.stages.Compiled]:
-    """Compile ``lowered`` for its (possibly compile-only) devices and read the result."""
-    started = time.perf_counter()
-    compiled = lowered.compile()
-    seconds = time.perf_counter() - started
+    """Compile ``lowered`` for its (possibly compile-only) devices and read the result.
+
+    The device temporaries come from the compiler's buffer assignment, dumped for this one
+    compilation, rather than from ``memory_analysis().temp_size_in_bytes``: on TPU that
+    figure is not the device memory the program reserves (compile-only v5e:2x2, tiny LM:
+    0 for a plain step whose buffer assignment holds 5.3 MB of device temporaries, and
+    10.6 MB for a window phase holding 5.6 MB, on-chip VMEM being counted once host memory
+    is involved). On GPU and CPU the two agree.
+    """
+    with tempfile.TemporaryDirectory(prefix="overlap-ckpt-aot-") as dump:
+        started = time.perf_counter()
+        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        seconds = time.perf_counter() - started
+        assignments = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
+        if len(assignments) != 1:
+            raise RuntimeError(f"expected one buffer assignment dump for {name}, found {len(assignments)} in {dump}")
+        with open(assignments[0]) as f:
+            temp = device_temp_bytes(f.read())
     text = compiled.as_text()
     instructions = entry_instructions(text)
     m = compiled.memory_analysis()
-    memory = DeviceMemory(m.argument_size_in_bytes, m.output_size_in_bytes, m.temp_size_in_bytes,
+    memory = DeviceMemory(m.argument_size_in_bytes, m.output_size_in_bytes, temp,
                           m.alias_size_in_bytes, m.host_output_size_in_bytes)
     cost = _cost(compiled)
     report = ProgramReport(name, memory, tuple(host_copies(instructions)), tuple(device_copies(instructions)),

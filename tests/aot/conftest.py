@@ -22,10 +22,14 @@ def target_or_skip(name: str):
         pytest.skip(str(e))
 
 
-# Measured, not yet explained: a TPU window phase of the tiny LMs allocates ~10 MB of device
-# temporaries where the plain step needs none (its intermediates stay on chip), also with
-# no barrier, packed or not (per leaf: 11-13 MB), for a phase with a 0.4 MB outbox; see docs/aot.md.
-TPU_TEMP_REASON = "TPU window phases of a tiny model allocate ~10 MB of temporaries the plain step does not"
+# Measured and explained, not fixed: XLA:TPU reserves a 512-byte slot at a 16 KiB stride
+# of device memory for every asynchronous operation (host copies and the compiler's own
+# prefetches into VMEM); a tiny LM's temporaries are nothing else. The tiny Linen
+# TrainState's phase 0 adds 2 host copies and 16 prefetches of 80-byte bias blocks that the
+# packing reads before the update overwrites them: +288 KiB for a 396 KiB outbox, 315 KB
+# beyond plain + outbox. See docs/aot.md ("Device memory on TPU").
+TPU_SLOT_REASON = "the tiny LM's phase reserves 16 KiB of TPU device memory per added asynchronous operation"
+TPU_SLOT_SLACK = 512 << 10
 
 
 # Measured, not yet fixed: a packed outbox (overlap_ckpt/core/packing.py) is a device buffer
@@ -40,8 +44,8 @@ def assert_within_plain_plus_outbox(report):
     """Every phase needs at most the plain step's device memory plus its outbox."""
     for program in report.phases:
         excess = program.memory.peak - report.plain.memory.peak - program.memory.host_output
-        if excess > 0 and report.target.platform == "tpu":
-            pytest.xfail(f"{TPU_TEMP_REASON}: {program.name} {program.memory} vs plain {report.plain.memory}")
+        if 0 < excess <= TPU_SLOT_SLACK and report.target.platform == "tpu":
+            pytest.xfail(f"{TPU_SLOT_REASON}: {program.name} {program.memory} vs plain {report.plain.memory}")
         if 0 < excess <= GPU_PACK_SLACK and report.target.platform == "gpu":
             pytest.xfail(f"{GPU_PACK_REASON}: {program.name} {program.memory} vs plain {report.plain.memory}")
         assert excess <= 0, (program.name, program.memory, report.plain.memory)

@@ -1,7 +1,11 @@
-"""Reading a scheduled HLO module (text as XLA:GPU prints it), without any plugin."""
+"""Reading a scheduled HLO module (text as XLA:GPU prints it) and a buffer assignment,
+without any plugin."""
 
-from overlap_ckpt.aot.hlo import device_copies, entry_instructions, host_copies
-from overlap_ckpt.aot.programs import fingerprint
+import jax
+import jax.numpy as jnp
+
+from overlap_ckpt.aot.hlo import device_copies, device_temp_bytes, entry_instructions, host_copies
+from overlap_ckpt.aot.programs import compile_program, fingerprint
 
 SCHEDULED = r'''HloModule jit_step, is_scheduled=true
 
@@ -46,3 +50,31 @@ def test_fingerprint_ignores_python_names_only():
         "/home/user/train.py", "/elsewhere.py").replace("source_line=12", "source_line=99")
     assert fingerprint(renamed) == fingerprint(SCHEDULED)
     assert fingerprint(SCHEDULED.replace("negate", "abs")) != fingerprint(SCHEDULED)
+
+
+# As XLA:TPU dumps it: device memory has no color; VMEM is color 1, host memory color 5.
+BUFFER_ASSIGNMENT = """BufferAssignment:
+allocation 0: size 303104, color 5, maybe-live-out:
+ value: <4 copy-start.1{0} @0> (size=303104,offset=0): u32[75661]{0:T(1024)S(5)}
+allocation 1: size 40960, parameter 5, shape |f32[20,4,20]| at ShapeIndex {}, maybe-live-out:
+allocation 2: size 5571072, preallocated-temp:
+ value: <7 fusion.3{} @0> (size=512,offset=0): (f32[20], f32[20])
+allocation 3: size 3887616, color 1, preallocated-temp:
+allocation 4: size 4096, color 4, preallocated-temp:
+allocation 5: size 1024, color 0, preallocated-temp:
+"""
+
+
+def test_device_temporaries_are_the_preallocated_temp_in_device_memory_only():
+    assert device_temp_bytes(BUFFER_ASSIGNMENT) == 5571072 + 1024
+
+
+def test_temporaries_from_the_buffer_assignment_agree_with_memory_analysis_on_the_cpu():
+    """On the CPU (as on GPU) ``memory_analysis`` reports the buffer assignment's
+    temporaries: the independent reference for reading the dump (on TPU it does not)."""
+    def step(w, x):
+        return jnp.tanh(x @ w) @ w.T, jnp.sin(x).sum()
+
+    args = (jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((64, 256), jnp.float32))
+    report, compiled = compile_program("toy", jax.jit(step).lower(*args))
+    assert report.memory.temp == compiled.memory_analysis().temp_size_in_bytes > 0
