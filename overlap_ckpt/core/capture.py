@@ -221,7 +221,7 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     _check_shapes(plan, params)
     outbox = None
     if ticket.capture and plan.platform != "cpu":
-        outbox, params, opt_state, grads = captured_before_update(ticket, params, opt_state, extras, grads)
+        outbox, params, opt_state = captured_before_update(ticket, params, opt_state, extras)
     cuts: list = []
     if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
         new_params, new_state = plan.update(params, opt_state, grads)
@@ -256,8 +256,7 @@ def _check_shapes(plan: CapturePlan, params) -> None:
                 "gradients inside shard_map if you like).")
 
 
-def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any,
-                           grads: Any) -> tuple[Outbox, Any, Any, Any]:
+def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any) -> tuple[Outbox, Any, Any]:
     """The state part of the outbox, ordered before the update that overwrites it (GPU/TPU).
 
     The update writes the donated input buffers in place while the captures read them.
@@ -274,17 +273,13 @@ def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any,
     wait for may start only after the backward pass, beside the update alone. So in the
     phases that ship gradients, whose update already waits for all of them (see
     :func:`isolated_gradients`), it waits for the copies too. In the last phase it waits
-    only for the packing, which reads the state (waiting for the copy there held every
-    gradient until the end of the backward pass: 0.5 MB over the tiny LM's outbox), and the
-    packing itself waits for the gradients of the slice's parameters
-    (:func:`packed_after_gradients`): made at the beginning of the program, the packed
-    buffer was live across the backward pass. ``grads`` (used in the last phase only) come
-    back as the update must read them. A packed array that is a view of one whole
+    only for the packing, which reads the state: its per-leaf updates may then run during
+    the backward pass as in the plain step (waiting for the copy there held every gradient
+    until the end of the backward pass: 0.5 MB over the tiny LM's outbox), and XLA starts
+    the copy at the beginning of the program. A packed array that is a view of one whole
     leaf (:func:`overlap_ckpt.core.packing.views`) is copied before the update in every
     phase: copied after it, it would read the donated buffer the update overwrites.
     """
-    if ticket.last:
-        params, opt_state, extras, grads = packed_after_gradients(ticket, params, opt_state, extras, grads)
     outbox = capture_state(ticket, params, opt_state, extras, place_packed=False)
     late = [False] * len(outbox.packed)  # copied after the barrier: the update does not wait
     if ticket.last and outbox.packing is not None:
@@ -295,56 +290,7 @@ def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any,
     (outbox.state, outbox.shared, outbox.packed), params, opt_state = jax.lax.optimization_barrier(
         ((outbox.state, outbox.shared, outbox.packed), params, opt_state))
     outbox.packed = [packed_to_host(ticket.plan, x) if wait else x for x, wait in zip(outbox.packed, late)]
-    return outbox, params, opt_state, grads
-
-
-def packed_after_gradients(ticket: WindowTicket, params, opt_state, extras: Any, grads) -> tuple[Any, Any, Any, Any]:
-    """The last phase's state, with the leaves its packing reads made to wait for the
-    gradients of the slice's parameters, and those gradients, for the update (GPU/TPU).
-
-    One optimization barrier over (those gradients, those leaves): the packed array is made,
-    and its host copy starts, once the backward pass has produced the gradients, instead of
-    at the beginning of the program, so the packed device buffer is not live where the
-    backward pass's temporaries peak. (A barrier over a scalar drawn from the gradients,
-    which nothing read afterwards, was removed by XLA: the update reads the held gradients
-    so that it is not.) Compile-only
-    H100, tiny LMs, K=2, phase 1 (1.2 MB outbox), temporaries against the plain step's:
-    packed at the beginning, Linen +1.26 MB, 53 KB beyond plain + outbox (besides the
-    packed buffer the same live bytes as the plain step, laid out in 53 KB more), NNX
-    +1.20 MB; packed after the gradients, Linen +0.46 MB, NNX 12 KB under the plain step.
-    On v5e:2x2 (0.31 MB outbox): Linen +0.25 MB before, +0.20 MB after; NNX +0.11 MB
-    before, 16 KB under after. The copy stays overlapped, beside the rest of the backward
-    pass and the update.
-
-    Every update waits for the packing (the barrier of :func:`captured_before_update`), so
-    now every update waits until the slice's last gradient is computed; the gradients that
-    come before it are held until then (not measured on the 1B LM). Only the packed items
-    wait: a packed array that is a view of one leaf, and the items with a copy of their own
-    (large items on TPU), read the input buffers at once.
-    """
-    plan = ticket.plan
-    if not packs(plan):
-        return params, opt_state, extras, grads
-    items = packing.phase_items(plan, ticket.phase, extras is not None)
-    entries = [entry for _, part in items.parts() for entry in part]
-    chosen = [entry for entry, packed in zip(entries, packing.selected(plan, [item for _, item in entries])) if packed]
-    in_view = {m for (_, members), view in zip(packing.groups([item for _, item in chosen]),
-                                               packing.views([item for _, item in chosen])) if view for m in members}
-    late = sorted({(source, item.piece.leaf) for n, (source, item) in enumerate(chosen) if n not in in_view})
-    held_grads = sorted({piece.leaf for piece in plan.slicing.slices[ticket.phase]})
-    if not late or not held_grads:
-        return params, opt_state, extras, grads
-    trees = {"params": params, "state": opt_state, "extras": extras}
-    leaves = {name: jax.tree.leaves(tree) for name, tree in trees.items()}
-    grad_leaves, grads_def = jax.tree.flatten(grads)
-    held, read = jax.lax.optimization_barrier(([grad_leaves[n] for n in held_grads],
-                                               [leaves[source][n] for source, n in late]))
-    for n, g in zip(held_grads, held):
-        grad_leaves[n] = g
-    for (source, n), x in zip(late, read):
-        leaves[source][n] = x
-    out = {name: jax.tree.unflatten(jax.tree.structure(tree), leaves[name]) for name, tree in trees.items()}
-    return out["params"], out["state"], out["extras"], jax.tree.unflatten(grads_def, grad_leaves)
+    return outbox, params, opt_state
 
 
 def packs(plan: CapturePlan) -> bool:

@@ -18,12 +18,7 @@ replay and the host buffers see what an unpacked outbox gives.
 
 Two groups are packed separately, because they are ready at different times: the state
 (slice, shared leaves, extras: inputs of the step, copied while it computes) and the
-gradient pieces (ready after the backward pass, copied while the update runs). In the last
-phase, which ships no gradients, the state group is packed only once the gradients of the
-slice's parameters are computed (:func:`overlap_ckpt.core.capture.packed_after_gradients`):
-packed at the beginning of the program, its device buffer was live across the backward
-pass (compile-only H100, tiny Linen LM, K=2: 53 KB beyond plain + outbox; after: 0.75 MB
-under).
+gradient pieces (ready after the backward pass, copied while the update runs).
 
 A plan may pack only its small items (``CapturePlan.pack_max_bytes``, TPU): the serialized
 copies are the small ones (XLA:TPU overlapped every copy over 1 MiB of the tiny to 1B LMs
