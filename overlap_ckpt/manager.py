@@ -27,6 +27,7 @@ import jax
 
 from . import autok
 from .autok import AutoWindow
+from .core.buffers import trim_host_memory
 from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
@@ -259,15 +260,19 @@ class CheckpointManager:
 
         def run() -> None:
             first_step.wait()  # the user's own program is compiled (and its memory freed)
-            for ticket in tickets:
-                if self._closed:
-                    return
-                try:
+            try:
+                for ticket in tickets:
+                    if self._closed:
+                        return
                     with window_ticket(ticket):
                         step_fn.lower(*args, **kwargs).compile()
-                except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
-                    self._ahead_error = e
-                    return
+                    # XLA frees a compile's working memory in pieces that glibc keeps in its
+                    # arenas: measured on the 20M LM, K=3, 1.3x the state stayed resident
+                    # after the variants compiled, until the process ended.
+                    trim_host_memory()
+                self.engine.compile_replay()
+            except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
+                self._ahead_error = e
 
         thread = threading.Thread(target=run, name="overlap-ckpt-compile-ahead", daemon=True)
         thread.start()

@@ -258,6 +258,14 @@ class OverlapEngine:
             programs.rehearse()
         self._programs = {plan: programs}  # phases in flight hold their own reference
 
+    def compile_replay(self) -> None:
+        """Compile the current plan's host replay programs now (see
+        :meth:`ReplayPrograms.compile`) and give the compiler's working memory back."""
+        if self.plan is None:
+            raise RuntimeError("OverlapEngine.compile_replay: no plan yet (call plan_for first)")
+        self._programs[self.plan].compile()
+        trim_host_memory()
+
     def submit(self, step: int, outbox: Outbox, metadata: dict | None = None) -> bool:
         """Hand a step's outbox to the host worker and return at once; False when the outbox
         is not wanted (a window this run does not capture) and was dropped."""

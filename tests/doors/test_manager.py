@@ -169,3 +169,32 @@ def test_compile_ahead_moves_window_compiles_off_the_training_thread(tmp_path):
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8]
     assert len(compiles) == 3, compiles  # nothing compiled on the training thread after that
+
+
+def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path):
+    """The host replay's programs compile on the compile-ahead thread too, not on the replay
+    thread at the first window (where XLA's working memory added to the window's own)."""
+    from jax import monitoring
+
+    replay_compiles = []  # the thread of every compile of the replay's program
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: replay_compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(run)" else None)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def replayed_step(state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.cos(x @ p["w"] + p["b"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    with CheckpointManager(tmp_path, save_interval_steps=4, window=3) as mngr:
+        state = mngr.prepare(make_state())
+        compiling = mngr.compile_ahead(replayed_step, state, batch(0))
+        state = mngr.step(replayed_step(state, batch(0)))
+        compiling.join()
+        ahead = list(replay_compiles)
+        for t in range(1, 13):
+            state = mngr.step(replayed_step(state, batch(t)))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8, 12]
+    assert ahead and set(ahead) == {"overlap-ckpt-compile-ahead"}, ahead
+    assert replay_compiles == ahead, replay_compiles  # none at the windows
