@@ -395,9 +395,10 @@ class ReplayPrograms:
         """Compile every replay program before the first window (``compile_ahead``).
 
         Why: compiled on the replay thread at the first window, they add XLA's working
-        memory to the window's own; glibc keeps most of it after the compile (measured on
-        the 20M LM, K=3: the first window's peak RSS ~0.6x the state above the later ones').
-        Compiled here, the caller returns that memory before any window."""
+        memory to the window's own, and glibc keeps most of it after the compile (a probe
+        of the 20M LM, K=3: the first window's RSS ~0.6x the state above the later ones';
+        the benchmark's peak RSS moved by less than its run-to-run noise). Compiled here,
+        :meth:`OverlapEngine.compile_replay` returns that memory before any window."""
         with jax.default_device(self.cpu):
             for _, args, injected in self._calls():
                 self._run.lower(args, injected).compile()
