@@ -21,6 +21,14 @@ Each round runs every measurement once (after an ``os.sync()``), in an order rot
 round to round, after ``--warmup`` unrecorded rounds (on VMs the first touch of fresh page-cache/heap memory is
 several times slower than later ones, which would penalize whoever runs first).
 
+With ``--beside-training MODEL`` a background thread of the same process trains that
+language model (``LMConfig.preset``, batch 2, AdamW, a sync every step as in
+``benchmarks.run``) during every measurement, raw writes included: the persist-vs-raw ratio
+then compares what the disk reaches beside training with what a plain write reaches beside
+the same training (on a 2-core machine training takes the CPU that checksumming and the
+kernel's page-cache copies need). Without it, CPU seconds per GiB of each write are
+reported too (the cost that competes with training).
+
 Restores are measured "warm" (files in the page cache, as right after a save) and, with
 ``--cold`` (default on), after evicting every checkpoint file from the page cache with
 ``posix_fadvise(DONTNEED)`` (no root needed), so that reads come from the device.
@@ -34,9 +42,11 @@ import json
 import math
 import os
 import platform
+import resource
 import shutil
 import statistics
 import tempfile
+import threading
 import time
 from typing import Any, Callable
 
@@ -126,6 +136,59 @@ def timed(fn: Callable[[], Any]) -> tuple[float, Any]:
     return time.perf_counter() - t0, out
 
 
+def cpu_seconds() -> float:
+    """User + system CPU time of this process, all threads (TensorStore's included)."""
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    return usage.ru_utime + usage.ru_stime
+
+
+class TrainingLoad:
+    """Trains a preset language model in a daemon thread until stopped: the CPU competition
+    a checkpoint writer meets beside training, applied equally to every measurement."""
+
+    def __init__(self, model: str, batch_size: int = 2):
+        import functools
+
+        import jax
+        import optax
+
+        import overlap_ckpt as oc
+        from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+
+        config = LMConfig.preset(model)
+        tokens = SyntheticTokens(config.vocab_size, config.seq_len, batch_size, seed=0).batch(0)["tokens"]
+        self._batch = {"tokens": jax.device_put(tokens)}
+        self._state = oc.TrainState.create(apply_fn=TransformerLM(config).apply,
+                                           params=linen_init(config, 0), tx=optax.adamw(1e-3))
+
+        @functools.partial(jax.jit, donate_argnums=0)
+        def step(state, batch):
+            loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
+            return state.apply_gradients(grads=grads), loss
+
+        self._step = step
+        self._stop = threading.Event()
+        self.steps = 0
+        self._run_one()  # compile before any measurement
+        self._thread = threading.Thread(target=self._loop, name="training-load", daemon=True)
+        self._thread.start()
+
+    def _run_one(self) -> None:
+        import jax
+
+        self._state, loss = self._step(self._state, self._batch)
+        jax.block_until_ready(loss)
+        self.steps += 1
+
+    def _loop(self) -> None:
+        while not self._stop.is_set():
+            self._run_one()
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--gib", type=float, default=1.0, help="state size in GiB (default 1)")
@@ -138,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-orbax", action="store_true", help="skip the Orbax measurements")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache restores")
     ap.add_argument("--chunk-mib", type=float, default=None, help="CheckpointStore chunk_bytes (MiB)")
+    ap.add_argument("--beside-training", metavar="MODEL", default=None,
+                    help="train this LMConfig preset (e.g. 20m) in a background thread throughout")
     args = ap.parse_args(argv)
 
     import jax
@@ -164,6 +229,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     runs: dict[str, list[float]] = {k: [] for k in (
         "raw_write", "raw_write_parallel", "ours_persist", "orbax_save", "ours_restore_warm", "orbax_restore_warm",
         "ours_restore_cold", "orbax_restore_cold", "raw_read_cold")}
+    cpu_per_gib: dict[str, list[float]] = {}  # writes only, and only without a training load
 
     def rate(key, seconds):
         runs[key].append(gib / seconds)
@@ -194,9 +260,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             writes.append(("orbax_save", orbax_save))
         for key, fn in writes[r % len(writes):] + writes[:r % len(writes)]:
             os.sync()  # no writeback left over from the previous measurement
+            cpu0 = cpu_seconds()
             seconds = timed(fn)[0]
             if record:
                 rate(key, seconds)
+                if load is None:
+                    cpu_per_gib.setdefault(key, []).append((cpu_seconds() - cpu0) / gib)
         shutil.rmtree(raw_dir)
 
         def ours_restore():
@@ -233,6 +302,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         shutil.rmtree(ours_dir)
         shutil.rmtree(orbax_dir, ignore_errors=True)
 
+    load = TrainingLoad(args.beside_training) if args.beside_training else None
+    started = time.perf_counter()
     try:
         for r in range(args.warmup):
             one_round(r, record=False)  # first touches of page cache / heap are slow on VMs
@@ -241,6 +312,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             print(f"repeat {r + 1}/{args.repeats}: " + ", ".join(
                 f"{k}={v[-1]:.2f}" for k, v in runs.items() if len(v) > r), flush=True)
     finally:
+        if load is not None:
+            load.stop()
         shutil.rmtree(work, ignore_errors=True)
 
     med = {k: statistics.median(v) for k, v in runs.items() if v}
@@ -280,6 +353,19 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               f"{ratios['restore_cold_vs_raw_read']:.2f}x raw-read")
     if "persist_vs_orbax_save" in ratios:
         print(f"{'(ours persist vs orbax save)':42s} {'':15s} {'':14s}  {ratios['persist_vs_orbax_save']:.2f}x orbax")
+    # The same ratio per round (both writes a few seconds apart): less exposed to drifting load.
+    ratios["persist_vs_raw_paired"] = statistics.median(
+        ours / raw for ours, raw in zip(runs["ours_persist"], runs["raw_write"]))
+    print(f"{'(ours persist vs raw, median of rounds)':42s} {'':15s} {'':14s}  "
+          f"{ratios['persist_vs_raw_paired']:.2f}x raw")
+    cpu_med = {k: statistics.median(v) for k, v in cpu_per_gib.items()}
+    if cpu_med:
+        print("CPU seconds per GiB written: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_med.items()))
+    training = None
+    if load is not None:
+        training = {"model": args.beside_training, "steps": load.steps,
+                    "steps_per_s": load.steps / (time.perf_counter() - started)}
+        print(f"beside training {args.beside_training}: {training['steps_per_s']:.2f} steps/s throughout")
 
     result = {
         "benchmark": "storage",
@@ -287,7 +373,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "warmup": args.warmup, "store_options": {k: v for k, v in store_kw.items()},
         "filesystem_dir": parent,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
-        "runs_gibps": runs, "median_gibps": med, "ratios": ratios,
+        "runs_gibps": runs, "median_gibps": med, "ratios": ratios, "cpu_s_per_gib": cpu_med,
+        "beside_training": training,
         "targets": {"persist_vs_raw": 0.9, "restore_vs_orbax": 2.0},
         "notes": "orbax restores and ours go to the same CPU sharding; cold = page cache evicted "
                  "with posix_fadvise(DONTNEED) before the restore.",
