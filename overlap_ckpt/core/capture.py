@@ -161,9 +161,9 @@ def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, A
             jax.tree.unflatten(plan.state_def, values[n:]), interp.cuts)
 
 
-def isolated_gradients(plan: CapturePlan, phase: int, step: Any, grads):
-    """The gradients phase ``phase`` ships as materialised buffers, so that XLA cannot fuse
-    the backward pass into the update that reads them.
+def isolated_gradients(plan: CapturePlan, step: Any, grads):
+    """``grads`` as a materialised buffer, so that XLA cannot fuse the backward pass into
+    the update that reads them.
 
     Otherwise XLA duplicates the gradient computation into the update's fusions and rounds
     it differently from the gradient copy it ships to the host, and the host replay (where
@@ -178,24 +178,12 @@ def isolated_gradients(plan: CapturePlan, phase: int, step: Any, grads):
     gradients are copied; the update stays in the step and writes the donated state in
     place. (A conditional around the whole update cannot alias donated buffers: it copied
     every state leaf, about 9% of a 20M-parameter LM's step on the CPU.)
-
-    Only the leaves with a piece in this phase's outbox (slices ``0..phase``) are isolated:
-    the others' gradients reach no host, and their updates fuse with the backward pass as
-    in the plain step. Isolating every leaf cost the tiny Linen LM's phase 0 on a
-    compile-only TPU v5e:2x2 0.57 MB of device temporaries (0.3 MB beyond plain + outbox).
     """
-    leaves, treedef = jax.tree.flatten(grads)
-    shipped = sorted({p.leaf for p in plan.slicing.pieces_upto(phase)})
-    chosen = [leaves[i] for i in shipped]
     if plan.platform != "cpu":
-        chosen = [jax.lax.optimization_barrier(g) for g in chosen]
-    elif step is None:
+        return jax.tree.map(jax.lax.optimization_barrier, grads)
+    if step is None:
         raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
-    else:
-        chosen = jax.lax.cond(always_true(step), lambda g: g, lambda g: [jnp.negative(x) for x in g], chosen)
-    for i, g in zip(shipped, chosen):
-        leaves[i] = g
-    return jax.tree.unflatten(treedef, leaves)
+    return jax.lax.cond(always_true(step), lambda g: g, lambda g: jax.tree.map(jnp.negative, g), grads)
 
 
 def always_true(step: Any) -> jax.Array:
@@ -238,7 +226,7 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
         new_params, new_state = plan.update(params, opt_state, grads)
     else:
-        grads = isolated_gradients(plan, ticket.phase, step, grads)
+        grads = isolated_gradients(plan, step, grads)
         if plan.analysis.n_globals:
             new_params, new_state, cuts = recorded_update(plan, params, opt_state, grads)
         else:
