@@ -46,3 +46,13 @@ def test_pieces_upto_are_the_slices_at_the_same_version():
     assert slicing.pieces_upto(0) == slicing.slices[0]
     assert slicing.pieces_upto(2) == tuple(p for s in slicing.slices for p in s)
     assert all(isinstance(p, Piece) for p in slicing.pieces_upto(2))
+
+
+def test_last_slice_holds_whole_units_unless_that_unbalances_a_slice():
+    # A large last unit (a token embedding last in a Linen tree): moving the cut before it
+    # keeps every slice within 1.5x an equal share, so the last slice is that unit, whole.
+    slicing = make_slicing([16, 16, 16, 16, 40], [72] * 5, 3, chunkable=True)
+    assert slicing.slices[-1] == (Piece(4, 0, 40),)
+    # One unit that is most of the state stays cut: whole, it would be ~2x an equal share.
+    slicing = make_slicing([40, 1], [72, 72], 2, chunkable=True)
+    assert slicing.slices[-1][0].start > 0
