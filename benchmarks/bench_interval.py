@@ -27,6 +27,12 @@ thread (block only) and in total (block + drain: everything a checkpoint costs t
 including the background persist that on 2 cores competes with training). The loop syncs
 every ``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5: the loss is fetched
 every 5 steps, as most real loops do).
+
+What it cannot resolve yet (benchmarks/results/cpu_20m_interval.md): the loops are separate
+states and programs in one process, and on the 20M LM their blocks differ by more than a
+checkpoint's cost even without one (the overlap N=50 loop's blocks ran 1.4 s faster than
+the plain loop's, with one checkpoint in each), so at N=50 the paired difference is that
+offset, not the checkpoint. The process's minor page faults per checkpoint do hold up.
 """
 
 from __future__ import annotations
@@ -110,12 +116,13 @@ def main(argv: list[str] | None = None) -> dict:
             loop["omngr"].wait_until_finished()
 
     def run_block(loop: dict) -> dict:
-        """The block's seconds, its drain's seconds, the checkpoints it committed and the minor
-        page faults of the whole process over block and drain (a checkpoint that writes
-        into memory given back to the OS since the last one faults every page again)."""
+        """The block's seconds, its drain's seconds, the checkpoints it committed, and the
+        process's CPU seconds and minor page faults over block and drain (both hardly move
+        with the machine's load, where wall time does; a checkpoint that writes into memory
+        given back to the OS since the last one faults every page again)."""
         state, n, first = loop["state"], loop["n"], loop["t"]
         mngr, omngr = loop.get("mngr"), loop.get("omngr")
-        faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+        before = resource.getrusage(resource.RUSAGE_SELF)
         persisted = len(mngr.store.history) if mngr is not None else 0
         saved = 0
         start = time.perf_counter()
@@ -134,8 +141,10 @@ def main(argv: list[str] | None = None) -> dict:
         loop["state"], loop["t"] = state, first + block
         if mngr is not None:
             saved = len(mngr.store.history) - persisted
+        after = resource.getrusage(resource.RUSAGE_SELF)
         return {"block_s": end - start, "drain_s": drained - end, "ckpts": saved,
-                "minor_faults": resource.getrusage(resource.RUSAGE_SELF).ru_minflt - faults}
+                "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
+                "minor_faults": after.ru_minflt - before.ru_minflt}
 
     names = list(loops)
     for name in names:  # compile, warm up and take one checkpoint of each kind, unmeasured
@@ -158,8 +167,9 @@ def main(argv: list[str] | None = None) -> dict:
             diffs.append(extra / mine["ckpts"])
         return statistics.median(diffs)
 
-    def faults_per_ckpt(name: str) -> float:
-        return statistics.median((mine["minor_faults"] - plain["minor_faults"]) / mine["ckpts"]
+    def extra_per_ckpt(name: str, key: str) -> float:
+        """Median over rounds of (this block's ``key`` - the plain block's) / checkpoints."""
+        return statistics.median((mine[key] - plain[key]) / mine["ckpts"]
                                  for mine, plain in zip(rows[name], rows["plain"]))
 
     summary = {name: {"n": loops[name]["n"],
@@ -167,7 +177,8 @@ def main(argv: list[str] | None = None) -> dict:
                       "drain_s_median": statistics.median(row["drain_s"] for row in rows[name]),
                       "per_ckpt_training_s": per_ckpt(name, total=False) if loops[name]["n"] else None,
                       "per_ckpt_total_s": per_ckpt(name, total=True) if loops[name]["n"] else None,
-                      "minor_faults_per_ckpt": faults_per_ckpt(name) if loops[name]["n"] else None}
+                      "cpu_s_per_ckpt": extra_per_ckpt(name, "cpu_s") if loops[name]["n"] else None,
+                      "minor_faults_per_ckpt": extra_per_ckpt(name, "minor_faults") if loops[name]["n"] else None}
                for name in names}
     report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
               "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
@@ -185,8 +196,9 @@ def markdown(report: dict) -> str:
              f"overlap window {report['window']}; load average at the end {report['loadavg_at_end'][0]:.1f}.",
              "",
              "| loop | N | block s (median) | drain s (median) | per checkpoint, training thread ms | "
-             "per checkpoint, total ms | x Orbax async (total) | minor faults per checkpoint (MiB of 4 KiB pages) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "per checkpoint, total ms | x Orbax async (total) | CPU s per checkpoint | "
+             "minor faults per checkpoint (MiB of 4 KiB pages) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, s in summary.items():
         n = s["n"]
         orbax = summary.get(f"orbax async N={n}")
@@ -195,7 +207,8 @@ def markdown(report: dict) -> str:
         per = (lambda v: "-" if v is None else f"{v * 1e3:.0f}")
         faults = "-" if not n else f"{s['minor_faults_per_ckpt']:.0f} ({s['minor_faults_per_ckpt'] * 4096 / 2**20:.0f})"
         lines.append(f"| {name} | {n or '-'} | {s['block_s_median']:.2f} | {s['drain_s_median']:.2f} | "
-                     f"{per(s['per_ckpt_training_s'])} | {per(s['per_ckpt_total_s'])} | {ratio} | {faults} |")
+                     f"{per(s['per_ckpt_training_s'])} | {per(s['per_ckpt_total_s'])} | {ratio} | "
+                     f"{'-' if not n else format(s['cpu_s_per_ckpt'], '.2f')} | {faults} |")
     for kind in ("overlap", "orbax async"):
         costs = {s["n"]: s["per_ckpt_total_s"] for name, s in summary.items() if name.startswith(kind)}
         if len(costs) >= 2:
