@@ -38,7 +38,6 @@ offset, not the checkpoint. The process's minor page faults per checkpoint do ho
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import resource
 import shutil
@@ -46,6 +45,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks.lm_loop import lm_loop
 from benchmarks.reporting import publish
 
 
@@ -71,18 +71,10 @@ def main(argv: list[str] | None = None) -> dict:
     import orbax.checkpoint as ocp
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+    from overlap_ckpt.tools.models import linen_init
 
-    config = LMConfig.preset(args.model)
-    model = TransformerLM(config)
-    data = SyntheticTokens(config.vocab_size, config.seq_len, args.batch_size, seed=0)
-    device = jax.devices()[0]
-    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(8)]
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
-        return state.apply_gradients(grads=grads), loss
+    lm = lm_loop(args.model, args.batch_size)
+    config, model, device, batches, train_step = lm.config, lm.model, lm.device, lm.batches, lm.train_step
 
     # Every loop starts half the longest interval off a checkpoint: its blocks then hold the
     # long interval's checkpoint in their middle.

@@ -20,12 +20,12 @@ Markdown table. Every step ends with ``jax.block_until_ready`` (the same sync in
 from __future__ import annotations
 
 import argparse
-import functools
 import os
 import statistics
 import tempfile
 import time
 
+from benchmarks.lm_loop import lm_loop
 from benchmarks.reporting import publish
 
 
@@ -43,18 +43,10 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+    from overlap_ckpt.tools.models import linen_init
 
-    config = LMConfig.preset(args.model)
-    model = TransformerLM(config)
-    data = SyntheticTokens(config.vocab_size, config.seq_len, args.batch_size, seed=0)
-    device = jax.devices()[0]
-    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(8)]
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
-        return state.apply_gradients(grads=grads), loss
+    lm = lm_loop(args.model, args.batch_size)
+    config, model, device, batches, train_step = lm.config, lm.model, lm.device, lm.batches, lm.train_step
 
     def fresh():
         # Each loop its own optimizer object: a window ticket on this thread applies to every

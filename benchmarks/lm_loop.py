@@ -1,0 +1,36 @@
+"""The training loop the in-process benchmarks share: the Flax transformer LM (Linen
+``overlap_ckpt.TrainState``), synthetic token batches committed to the device, and a donated
+jitted step returning ``(state, loss)``, as ``benchmarks.run``'s workers train it."""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Callable
+
+
+@dataclasses.dataclass(frozen=True)
+class LMLoop:
+    config: Any  # overlap_ckpt.tools.models.LMConfig
+    model: Any  # the Linen TransformerLM
+    device: Any
+    batches: list
+    train_step: Callable
+
+
+def lm_loop(model_name: str, batch_size: int, distinct_batches: int = 8) -> LMLoop:
+    import jax
+
+    from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_loss_fn
+
+    config = LMConfig.preset(model_name)
+    data = SyntheticTokens(config.vocab_size, config.seq_len, batch_size, seed=0)
+    device = jax.devices()[0]
+    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(distinct_batches)]
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, batch):
+        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
+        return state.apply_gradients(grads=grads), loss
+
+    return LMLoop(config, TransformerLM(config), device, batches, train_step)
