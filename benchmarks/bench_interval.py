@@ -8,31 +8,32 @@ reads the cost per checkpoint over the whole measured span, against the no-check
 process's mean step. At a checkpoint every 50 steps one checkpoint shares its span with 50
 steps, so a 1% drift of the step time between two processes (measured: 2% on this 2-core
 machine) reads as ~190 ms per checkpoint, and the N=50 figure cannot be told apart from
-drift. Here every loop shares one process, one jitted step and the same batches, and the
-loops take turns, one block of ``--block`` steps each, in an order rotated every round:
+drift. Separate loops in one process do not settle it either: two states and programs of
+the same model differed by 1.4 s per 50-step block with no checkpoint between them (an
+earlier version of this benchmark, benchmarks/results/cpu_20m_interval_loops.md).
 
-* ``plain``: no checkpointing (the paired reference of every block);
+Here each strategy is one loop (one state, one jitted step, one checkpointer), for each
+``n`` in ``--intervals``:
+
 * ``overlap N=n``: ``overlap_ckpt.CheckpointManager(window=--window)``, ``mngr.step`` every step;
 * ``orbax async N=n``: ``ocp.CheckpointManager`` (async), ``save`` when ``(t+1) % n == 0``;
 
-for each ``n`` in ``--intervals`` (``--block`` must be a multiple of each). A block starts half
-an interval of the longest ``n`` off its checkpoints, so the long interval's checkpoint falls
-in the middle of a block, with training steps after it, as at the short interval. A block is
-timed to the fetch of its last loss, then the checkpointer is drained (``wait_until_finished``,
-timed apart), so no block's background work spills into another loop's block.
+and its blocks of ``--block`` steps (a multiple of every ``n``) alternate between
+checkpointing *on* and *off*, on-off in even rounds and off-on in odd ones. Off, Orbax is not
+asked to save and overlap_ckpt skips the block's windows (``WindowTracker.skip``: the
+window steps run their no-copy variant, as when the host budget skips a checkpoint), so the
+difference is the checkpoint itself: copies, replay, persist. A block starts half an
+interval of the longest ``n`` off its checkpoints, so the long interval's checkpoint falls
+in its middle, with training steps after it. A block is timed to the fetch of its last
+loss, then the checkpointer is drained (``wait_until_finished``, timed apart), so no
+block's background work spills into the next.
 
-Reported per loop, median over rounds of the paired difference to the ``plain`` block of the
-same round, divided by the checkpoints in the block: the cost per checkpoint on the training
-thread (block only) and in total (block + drain: everything a checkpoint costs this host,
-including the background persist that on 2 cores competes with training). The loop syncs
-every ``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5: the loss is fetched
-every 5 steps, as most real loops do).
-
-What it cannot resolve yet (benchmarks/results/cpu_20m_interval.md): the loops are separate
-states and programs in one process, and on the 20M LM their blocks differ by more than a
-checkpoint's cost even without one (the overlap N=50 loop's blocks ran 1.4 s faster than
-the plain loop's, with one checkpoint in each), so at N=50 the paired difference is that
-offset, not the checkpoint. The process's minor page faults per checkpoint do hold up.
+Reported per loop, median over rounds of (on - off) / checkpoints in the on block: the cost
+per checkpoint on the training thread (block only) and in total (block + drain: everything
+a checkpoint costs this host, including the background persist that on 2 cores competes
+with training), the process's CPU seconds and minor page faults per checkpoint (both hardly
+move with the machine's load, where wall time does). The loop fetches its loss every
+``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5, as most real loops do).
 """
 
 from __future__ import annotations
@@ -88,18 +89,17 @@ def main(argv: list[str] | None = None) -> dict:
         return jax.device_put(state.replace(step=jax.numpy.int32(start_step)), device)
 
     root = tempfile.mkdtemp(prefix="bench_interval_")
-    loops: dict[str, dict] = {"plain": {"state": fresh(), "n": None}}
-    for n in args.intervals:
+
+    def make_loops(n: int) -> dict[str, dict]:
         mngr = oc.CheckpointManager(os.path.join(root, f"overlap_{n}"), save_interval_steps=n, window=window)
         state = mngr.prepare(fresh())
         mngr.compile_ahead(train_step, state, batches[0])
-        loops[f"overlap N={n}"] = {"state": state, "n": n, "mngr": mngr}
+        loops = {f"overlap N={n}": {"state": state, "n": n, "mngr": mngr, "t": start_step}}
         if not args.no_orbax:
             omngr = ocp.CheckpointManager(os.path.join(root, f"orbax_{n}"), options=ocp.CheckpointManagerOptions(
                 save_interval_steps=n, max_to_keep=2, enable_async_checkpointing=True))
-            loops[f"orbax async N={n}"] = {"state": fresh(), "n": n, "omngr": omngr}
-    for loop in loops.values():
-        loop["t"] = start_step
+            loops[f"orbax async N={n}"] = {"state": fresh(), "n": n, "omngr": omngr, "t": start_step}
+        return loops
 
     def drain(loop: dict) -> None:
         if "mngr" in loop:
@@ -107,13 +107,20 @@ def main(argv: list[str] | None = None) -> dict:
         elif "omngr" in loop:
             loop["omngr"].wait_until_finished()
 
-    def run_block(loop: dict) -> dict:
+    def run_block(loop: dict, on: bool, next_on: bool) -> dict:
         """The block's seconds, its drain's seconds, the checkpoints it committed, and the
-        process's CPU seconds and minor page faults over block and drain (both hardly move
-        with the machine's load, where wall time does; a checkpoint that writes into memory
-        given back to the OS since the last one faults every page again)."""
+        process's CPU seconds and minor page faults over block and drain.
+
+        overlap_ckpt attaches a window's ticket at the step before it, so a window is
+        skipped one step ahead, the next block's first one (``next_on``) included."""
         state, n, first = loop["state"], loop["n"], loop["t"]
         mngr, omngr = loop.get("mngr"), loop.get("omngr")
+
+        def skip_ahead(t: int) -> None:
+            version = mngr.engine.schedule.target(t + 1)
+            if version is not None and not (on if t + 1 < first + block else next_on):
+                mngr.engine.windows.skip(version)
+
         before = resource.getrusage(resource.RUSAGE_SELF)
         persisted = len(mngr.store.history) if mngr is not None else 0
         saved = 0
@@ -121,8 +128,9 @@ def main(argv: list[str] | None = None) -> dict:
         for t in range(first, first + block):
             state, loss = train_step(state, batches[t % len(batches)])
             if mngr is not None:
+                skip_ahead(t)
                 state = mngr.step(state)
-            elif omngr is not None and (t + 1) % n == 0:
+            elif on and (t + 1) % n == 0:
                 saved += bool(omngr.save(t + 1, args=ocp.args.StandardSave(
                     {"params": state.params, "opt_state": state.opt_state})))
             if (t + 1 - first) % args.sync_every == 0 or t == first + block - 1:
@@ -134,44 +142,49 @@ def main(argv: list[str] | None = None) -> dict:
         if mngr is not None:
             saved = len(mngr.store.history) - persisted
         after = resource.getrusage(resource.RUSAGE_SELF)
-        return {"block_s": end - start, "drain_s": drained - end, "ckpts": saved,
+        return {"on": on, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
                 "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
                 "minor_faults": after.ru_minflt - before.ru_minflt}
 
-    names = list(loops)
-    for name in names:  # compile, warm up and take one checkpoint of each kind, unmeasured
-        run_block(loops[name])
-    rows: dict[str, list[dict]] = {name: [] for name in names}
-    for r in range(args.rounds):
-        for name in names[r % len(names):] + names[:r % len(names)]:
-            rows[name].append({"round": r, **run_block(loops[name])})
-    for loop in loops.values():
-        for key in ("mngr", "omngr"):
-            if key in loop:
-                loop[key].close()
+    # Each loop's blocks: on, off unmeasured (compiles, warms up, one checkpoint of each
+    # kind), then on-off in even rounds and off-on in odd ones. One interval's loops at a
+    # time: two overlap_ckpt managers taking turns in one process recompiled their window
+    # steps on the training thread (seen with JAX_LOG_COMPILES).
+    plan = [(-1, True), (-1, False)] + [(r, on) for r in range(args.rounds)
+                                        for on in ((True, False) if r % 2 == 0 else (False, True))]
+    rows: dict[str, list[dict]] = {}
+    interval_of: dict[str, int] = {}
+    for n in args.intervals:
+        loops = make_loops(n)
+        for name, loop in loops.items():
+            rows[name], interval_of[name] = [], n
+        for i, (r, on) in enumerate(plan):
+            next_on = plan[i + 1][1] if i + 1 < len(plan) else True
+            for name, loop in loops.items():
+                row = run_block(loop, on, next_on)
+                if r >= 0:
+                    rows[name].append({"round": r, **row})
+        for loop in loops.values():
+            (loop.get("mngr") or loop["omngr"]).close()
     shutil.rmtree(root, ignore_errors=True)
 
-    def per_ckpt(name: str, total: bool) -> float:
-        """Median over rounds of (this block [+ drain] - the plain block) / checkpoints."""
+    def per_ckpt(name: str, value) -> float:
+        """Median over rounds of (``value`` of the on block - of the off block) / checkpoints."""
         diffs = []
-        for mine, plain in zip(rows[name], rows["plain"]):
-            extra = mine["block_s"] + (mine["drain_s"] if total else 0.0) - plain["block_s"]
-            diffs.append(extra / mine["ckpts"])
+        for r in range(args.rounds):
+            on, off = (next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
+                       for flag in (True, False))
+            diffs.append((value(on) - value(off)) / on["ckpts"])
         return statistics.median(diffs)
 
-    def extra_per_ckpt(name: str, key: str) -> float:
-        """Median over rounds of (this block's ``key`` - the plain block's) / checkpoints."""
-        return statistics.median((mine[key] - plain[key]) / mine["ckpts"]
-                                 for mine, plain in zip(rows[name], rows["plain"]))
-
-    summary = {name: {"n": loops[name]["n"],
-                      "block_s_median": statistics.median(row["block_s"] for row in rows[name]),
-                      "drain_s_median": statistics.median(row["drain_s"] for row in rows[name]),
-                      "per_ckpt_training_s": per_ckpt(name, total=False) if loops[name]["n"] else None,
-                      "per_ckpt_total_s": per_ckpt(name, total=True) if loops[name]["n"] else None,
-                      "cpu_s_per_ckpt": extra_per_ckpt(name, "cpu_s") if loops[name]["n"] else None,
-                      "minor_faults_per_ckpt": extra_per_ckpt(name, "minor_faults") if loops[name]["n"] else None}
-               for name in names}
+    summary = {name: {"n": interval_of[name],
+                      "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
+                      "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
+                      "per_ckpt_training_s": per_ckpt(name, lambda row: row["block_s"]),
+                      "per_ckpt_total_s": per_ckpt(name, lambda row: row["block_s"] + row["drain_s"]),
+                      "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
+                      "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"])}
+               for name in rows}
     report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
               "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
               "sync_every": args.sync_every, "device": str(device), "loadavg_at_end": list(os.getloadavg()),
@@ -184,23 +197,22 @@ def markdown(report: dict) -> str:
     summary = report["summary"]
     lines = [f"# Cost per checkpoint by interval: {report['model']}, one process, {report['rounds']} rounds",
              "",
-             f"Blocks of {report['block']} steps per turn; loss fetched every {report['sync_every']} steps; "
-             f"overlap window {report['window']}; load average at the end {report['loadavg_at_end'][0]:.1f}.",
+             f"Blocks of {report['block']} steps, checkpointing on and off in turn in the same loop; loss fetched "
+             f"every {report['sync_every']} steps; overlap window {report['window']}; load average at the end "
+             f"{report['loadavg_at_end'][0]:.1f}.",
              "",
-             "| loop | N | block s (median) | drain s (median) | per checkpoint, training thread ms | "
-             "per checkpoint, total ms | x Orbax async (total) | CPU s per checkpoint | "
-             "minor faults per checkpoint (MiB of 4 KiB pages) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|--:|"]
+             "| loop | N | block s on / off (median) | per checkpoint, training thread ms | per checkpoint, total ms | "
+             "x Orbax async (total) | CPU s per checkpoint | minor faults per checkpoint (MiB of 4 KiB pages) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|"]
     for name, s in summary.items():
         n = s["n"]
         orbax = summary.get(f"orbax async N={n}")
         ratio = (f"{s['per_ckpt_total_s'] / orbax['per_ckpt_total_s']:.2f}"
-                 if n and orbax and orbax["per_ckpt_total_s"] > 0 else "-")
-        per = (lambda v: "-" if v is None else f"{v * 1e3:.0f}")
-        faults = "-" if not n else f"{s['minor_faults_per_ckpt']:.0f} ({s['minor_faults_per_ckpt'] * 4096 / 2**20:.0f})"
-        lines.append(f"| {name} | {n or '-'} | {s['block_s_median']:.2f} | {s['drain_s_median']:.2f} | "
-                     f"{per(s['per_ckpt_training_s'])} | {per(s['per_ckpt_total_s'])} | {ratio} | "
-                     f"{'-' if not n else format(s['cpu_s_per_ckpt'], '.2f')} | {faults} |")
+                 if orbax and orbax["per_ckpt_total_s"] > 0 else "-")
+        faults = s["minor_faults_per_ckpt"]
+        lines.append(f"| {name} | {n} | {s['block_on_s_median']:.2f} / {s['block_off_s_median']:.2f} | "
+                     f"{s['per_ckpt_training_s'] * 1e3:.0f} | {s['per_ckpt_total_s'] * 1e3:.0f} | {ratio} | "
+                     f"{s['cpu_s_per_ckpt']:.2f} | {faults:.0f} ({faults * 4096 / 2**20:.0f}) |")
     for kind in ("overlap", "orbax async"):
         costs = {s["n"]: s["per_ckpt_total_s"] for name, s in summary.items() if name.startswith(kind)}
         if len(costs) >= 2:
