@@ -124,6 +124,7 @@ def main(argv: list[str] | None = None) -> dict:
         before = resource.getrusage(resource.RUSAGE_SELF)
         persisted = len(mngr.store.history) if mngr is not None else 0
         saved = 0
+        syncs = []  # seconds from the block's start to each fetched loss
         start = time.perf_counter()
         for t in range(first, first + block):
             state, loss = train_step(state, batches[t % len(batches)])
@@ -135,6 +136,7 @@ def main(argv: list[str] | None = None) -> dict:
                     {"params": state.params, "opt_state": state.opt_state})))
             if (t + 1 - first) % args.sync_every == 0 or t == first + block - 1:
                 float(loss)
+                syncs.append(time.perf_counter() - start)
         end = time.perf_counter()
         drain(loop)
         drained = time.perf_counter()
@@ -144,7 +146,7 @@ def main(argv: list[str] | None = None) -> dict:
         after = resource.getrusage(resource.RUSAGE_SELF)
         return {"on": on, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
                 "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                "minor_faults": after.ru_minflt - before.ru_minflt}
+                "minor_faults": after.ru_minflt - before.ru_minflt, "sync_s": syncs}
 
     # Each loop's blocks: on, off unmeasured (compiles, warms up, one checkpoint of each
     # kind), then on-off in even rounds and off-on in odd ones. One interval's loops at a
