@@ -3,13 +3,11 @@
 Invariant: a step directory that *looks* complete (final name on POSIX, commit marker on
 object stores) is complete. Hence:
 
-* **POSIX**: everything is written under ``<step>.orbax-checkpoint-tmp/`` (TensorStore
-  fsyncs its data files as it writes them; our metadata files and ``commit_success.txt``
-  are written without fsync), then every file and directory of the tree is fsync'd
-  concurrently (one journal commit rather than one per file), then the directory is
-  renamed to ``<step>/`` (atomic), and the root directory is fsync'd so the rename
-  survives power loss. A crash before the rename leaves only a tmp directory, invisible
-  to readers.
+* **POSIX**: everything is written under ``<step>.orbax-checkpoint-tmp/``; all files are
+  fsync'd (TensorStore fsyncs its files, :class:`LocalLocation` ours), then every directory
+  of the tree, then ``commit_success.txt`` is written and the directory is renamed to
+  ``<step>/`` (atomic), and the root directory is fsync'd so the rename survives power
+  loss. A crash before the rename leaves only a tmp directory, invisible to readers.
 * **Object stores** (no rename): data and metadata are written in ``<step>/`` and the
   ``commit_success.txt`` marker is written strictly last; readers ignore a step without it.
 * **Deletion** runs the protocol backwards: on POSIX the step is first renamed to a tmp
@@ -73,8 +71,8 @@ def commit(location: Location, step: int) -> None:
     """Make the fully written step ``step`` visible, atomically (see module docstring)."""
     work = working_dir(location, step)
     marker = f"Checkpoint commit was successful to {location.describe(layout.step_dir(step))}"
-    location.write_bytes(f"{work}/{layout.COMMIT_MARKER}", marker.encode(), durable=False)
-    if location.atomic_rename:  # everything written so far becomes durable here, then the rename
+    location.write_bytes(f"{work}/{layout.COMMIT_MARKER}", marker.encode())
+    if location.atomic_rename:
         location.sync_tree(work)
         location.rename(work, layout.step_dir(step))
 

@@ -16,7 +16,6 @@ import json
 import os
 import pathlib
 import shutil
-from concurrent.futures import ThreadPoolExecutor
 from typing import Any
 
 import tensorstore as ts
@@ -68,10 +67,8 @@ class Location(abc.ABC):
         """Contents of file ``rel`` or ``None`` if absent; refuses files larger than ``limit``."""
 
     @abc.abstractmethod
-    def write_bytes(self, rel: str, data: bytes, *, durable: bool = True) -> None:
-        """Write file ``rel``, creating parent directories. ``durable=False``: a local file
-        may stay in the page cache until :meth:`sync_tree` of a directory above it (object
-        stores are durable once a write is acknowledged)."""
+    def write_bytes(self, rel: str, data: bytes) -> None:
+        """Write (and make durable) file ``rel``, creating parent directories."""
 
     @abc.abstractmethod
     def exists(self, rel: str) -> bool: ...
@@ -88,7 +85,7 @@ class Location(abc.ABC):
         """Create directory ``rel`` (no-op on object stores, where directories are implicit)."""
 
     def sync_tree(self, rel: str) -> None:
-        """Make every file and directory entry below ``rel`` durable (no-op on object stores)."""
+        """Make every directory entry below ``rel`` durable (no-op on object stores)."""
 
     def rename(self, src: str, dst: str) -> None:
         raise NotImplementedError("rename is only available where atomic_rename is True")
@@ -135,7 +132,7 @@ class LocalLocation(Location):
         except (FileNotFoundError, NotADirectoryError):
             return None
 
-    def write_bytes(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+    def write_bytes(self, rel: str, data: bytes) -> None:
         path = self.path(rel)
         path.parent.mkdir(parents=True, exist_ok=True)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
@@ -143,8 +140,7 @@ class LocalLocation(Location):
             view = memoryview(data)
             while view:
                 view = view[os.write(fd, view):]
-            if durable:
-                os.fsync(fd)
+            os.fsync(fd)
         finally:
             os.close(fd)
 
@@ -164,35 +160,19 @@ class LocalLocation(Location):
             pass
 
     def sync_tree(self, rel: str) -> None:
-        """fsync every file and directory below ``rel`` concurrently, then ``rel``'s parent.
-
-        Why concurrently: on ext4/xfs concurrent fsyncs join one journal commit, so the
-        whole tree costs about one commit instead of one per entry (measured: 11 entries in
-        ~1 ms instead of ~11 ms serially). Files TensorStore already fsync'd are clean and
-        cost next to nothing; fsyncing them anyway keeps the invariant independent of who
-        wrote what (metadata files are written with ``durable=False`` and synced here)."""
         top = self.path(rel)
-        paths = []
-        for dirpath, _dirnames, files in os.walk(top):
-            paths.append(dirpath)
-            paths.extend(os.path.join(dirpath, name) for name in files)
-        with ThreadPoolExecutor(max_workers=min(_SYNC_THREADS, len(paths))) as pool:
-            list(pool.map(fsync_path, paths))
-        fsync_path(top.parent)
+        for dirpath, _dirnames, _files in os.walk(top):
+            fsync_dir(dirpath)
+        fsync_dir(top.parent)
 
     def rename(self, src: str, dst: str) -> None:
         os.rename(self.path(src), self.path(dst))
-        fsync_path(self.path(dst).parent)
+        fsync_dir(self.path(dst).parent)
 
 
-#: Threads of :meth:`LocalLocation.sync_tree` (each one blocks in ``fsync``, using no CPU).
-_SYNC_THREADS = 16
-
-
-def fsync_path(path: str | os.PathLike) -> None:
-    """fsync a file, or a directory so that entries created/renamed in it survive a power
-    loss (opened read-only: POSIX systems allow fsync on such a descriptor)."""
-    fd = os.open(path, os.O_RDONLY)
+def fsync_dir(path: str | os.PathLike) -> None:
+    """fsync a directory so that entries created/renamed in it survive a power loss."""
+    fd = os.open(path, os.O_RDONLY | getattr(os, "O_DIRECTORY", 0))
     try:
         os.fsync(fd)
     finally:
@@ -247,7 +227,7 @@ class KvLocation(Location):
                 "for a metadata file.", path=self.describe(rel))
         return value
 
-    def write_bytes(self, rel: str, data: bytes, *, durable: bool = True) -> None:
+    def write_bytes(self, rel: str, data: bytes) -> None:
         self._kv.write(self._key(rel), data).result()
 
     def exists(self, rel: str) -> bool:

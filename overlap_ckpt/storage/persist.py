@@ -57,7 +57,7 @@ def persist_step(location: Location, step: int, item_name: str, leaves: Sequence
     write_item(location, item, step, leaves, arrays, writer.step_context(context),
                coordinator=coordinator, batch_bytes=batch_bytes, data_file_size=data_file_size)
     if coordinator.is_primary():
-        location.write_bytes(f"{work}/{layout.STEP_METADATA}", layout.dumps(step_metadata), durable=False)
+        location.write_bytes(f"{work}/{layout.STEP_METADATA}", layout.dumps(step_metadata))
         hooks.fire("metadata_written", step=step)
         hooks.fire("before_commit", step=step)
         commit.commit(location, step)

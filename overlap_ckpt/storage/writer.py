@@ -83,15 +83,11 @@ def auto_data_file_size(nbytes: int) -> int:
 
 def write_item_metadata(location: Location, item_rel: str, step: int, leaves: Sequence[Leaf],
                         arrays: Sequence[ArrayWrite], process_count: int) -> None:
-    """Primary only, after :func:`merge_into_root`: Orbax's ``_METADATA`` and our manifest.
-
-    Not fsync'd here: the commit (or the Orbax door) syncs the whole item tree at once
-    before anything makes the step visible (:meth:`Location.sync_tree`)."""
+    """Primary only, after :func:`merge_into_root`: Orbax's ``_METADATA`` and our manifest."""
     records = [layout.ArrayRecord(a.name, a.host.shape, a.host.dtype, a.chunk_shape) for a in arrays]
-    location.write_bytes(f"{item_rel}/{layout.TREE_METADATA}", layout.dumps(layout.tree_metadata(leaves)),
-                         durable=False)
+    location.write_bytes(f"{item_rel}/{layout.TREE_METADATA}", layout.dumps(layout.tree_metadata(leaves)))
     location.write_bytes(f"{item_rel}/{layout.MANIFEST}",
-                         layout.dumps(layout.manifest(step, records, process_count)), durable=False)
+                         layout.dumps(layout.manifest(step, records, process_count)))
 
 
 _OCDBT_CACHE = {"total_bytes_limit": 100_000_000}
