@@ -32,7 +32,10 @@ Reported per loop, median over rounds of (on - off) / checkpoints in the on bloc
 per checkpoint on the training thread (block only) and in total (block + drain: everything
 a checkpoint costs this host, including the background persist that on 2 cores competes
 with training), the process's CPU seconds and minor page faults per checkpoint (both hardly
-move with the machine's load, where wall time does). The loop fetches its loss every
+move with the machine's load, where wall time does), and the same from the loss-fetch
+segments: what the segments holding a checkpoint add to the off block's median segment, and
+what all other segments add (``per_ckpt_segments``; at N=50 the whole-block difference is
+dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). The loop fetches its loss every
 ``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5, as most real loops do).
 """
 
@@ -144,7 +147,7 @@ def main(argv: list[str] | None = None) -> dict:
         if mngr is not None:
             saved = len(mngr.store.history) - persisted
         after = resource.getrusage(resource.RUSAGE_SELF)
-        return {"on": on, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
+        return {"on": on, "first_step": first, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
                 "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
                 "minor_faults": after.ru_minflt - before.ru_minflt, "sync_s": syncs}
 
@@ -179,13 +182,32 @@ def main(argv: list[str] | None = None) -> dict:
             diffs.append((value(on) - value(off)) / on["ckpts"])
         return statistics.median(diffs)
 
+    def per_ckpt_segments(name: str) -> tuple[float, float]:
+        """Median over rounds of the seconds per checkpoint that the on block's loss-fetch
+        segments add to the off block's median segment: (the segments that hold the step
+        reading a checkpoint's version, where its copy and its stall land; every other
+        segment, where background work would spill). A segment's median is robust to the
+        block-to-block drift that dominates whole-block differences at long intervals."""
+        own, other = [], []
+        for r in range(args.rounds):
+            on, off = (next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
+                       for flag in (True, False))
+            base = statistics.median(segments(off["sync_s"]))
+            n, first = interval_of[name], on["first_step"]
+            marked = {(v - first) // args.sync_every for v in range(first, first + block) if v % n == 0}
+            deltas = [s - base for s in segments(on["sync_s"])]
+            own.append(sum(d for i, d in enumerate(deltas) if i in marked) / on["ckpts"])
+            other.append(sum(d for i, d in enumerate(deltas) if i not in marked) / on["ckpts"])
+        return statistics.median(own), statistics.median(other)
+
     summary = {name: {"n": interval_of[name],
                       "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
                       "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
                       "per_ckpt_training_s": per_ckpt(name, lambda row: row["block_s"]),
                       "per_ckpt_total_s": per_ckpt(name, lambda row: row["block_s"] + row["drain_s"]),
                       "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
-                      "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"])}
+                      "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"]),
+                      **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name)))}
                for name in rows}
     report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
               "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
@@ -193,6 +215,11 @@ def main(argv: list[str] | None = None) -> dict:
               "rows": rows, "summary": summary}
     publish(report, markdown(report), args.out)
     return report
+
+
+def segments(sync_s: list[float]) -> list[float]:
+    """Seconds between consecutive loss fetches of a block (``sync_s`` counts from its start)."""
+    return [b - a for a, b in zip([0.0, *sync_s[:-1]], sync_s)]
 
 
 def markdown(report: dict) -> str:
@@ -204,8 +231,9 @@ def markdown(report: dict) -> str:
              f"{report['loadavg_at_end'][0]:.1f}.",
              "",
              "| loop | N | block s on / off (median) | per checkpoint, training thread ms | per checkpoint, total ms | "
-             "x Orbax async (total) | CPU s per checkpoint | minor faults per checkpoint (MiB of 4 KiB pages) |",
-             "|---|--:|--:|--:|--:|--:|--:|--:|"]
+             "x Orbax async (total) | checkpoint's segment ms | other segments ms | "
+             "CPU s per checkpoint | minor faults per checkpoint (MiB of 4 KiB pages) |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     for name, s in summary.items():
         n = s["n"]
         orbax = summary.get(f"orbax async N={n}")
@@ -214,14 +242,16 @@ def markdown(report: dict) -> str:
         faults = s["minor_faults_per_ckpt"]
         lines.append(f"| {name} | {n} | {s['block_on_s_median']:.2f} / {s['block_off_s_median']:.2f} | "
                      f"{s['per_ckpt_training_s'] * 1e3:.0f} | {s['per_ckpt_total_s'] * 1e3:.0f} | {ratio} | "
+                     f"{s['ckpt_segments_s'] * 1e3:.0f} | {s['other_segments_s'] * 1e3:.0f} | "
                      f"{s['cpu_s_per_ckpt']:.2f} | {faults:.0f} ({faults * 4096 / 2**20:.0f}) |")
     for kind in ("overlap", "orbax async"):
-        costs = {s["n"]: s["per_ckpt_total_s"] for name, s in summary.items() if name.startswith(kind)}
-        if len(costs) >= 2:
-            short, long_ = min(costs), max(costs)
-            lines.append("")
-            lines.append(f"{kind}: total cost per checkpoint at N={long_} is "
-                         f"{costs[long_] / costs[short]:.2f}x the one at N={short} (target for overlap: <= 1.2x)")
+        for key, what in (("per_ckpt_total_s", "total cost"), ("ckpt_segments_s", "checkpoint's segment")):
+            costs = {s["n"]: s[key] for name, s in summary.items() if name.startswith(kind)}
+            if len(costs) >= 2:
+                short, long_ = min(costs), max(costs)
+                lines.append("")
+                lines.append(f"{kind}: {what} per checkpoint at N={long_} is "
+                             f"{costs[long_] / costs[short]:.2f}x the one at N={short} (target for overlap: <= 1.2x)")
     return "\n".join(lines) + "\n"
 
 

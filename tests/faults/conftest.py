@@ -1,5 +1,6 @@
 """Prints the table of faults tried at the end of the run (each fault's test asserts its own
-outcome; this is the report)."""
+outcome; this is the report). The outcomes are gathered in the process that ran the tests,
+so the table needs a run in one process: ``pytest tests/faults -n 0``."""
 
 from . import OUTCOMES
 
