@@ -35,8 +35,9 @@ with training), the process's CPU seconds and minor page faults per checkpoint (
 move with the machine's load, where wall time does), and the same from the loss-fetch
 segments: what the segments holding a checkpoint add to the off block's median segment, and
 what all other segments add (``per_ckpt_segments``; at N=50 the whole-block difference is
-dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). The loop fetches its loss every
-``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5, as most real loops do).
+dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). The loop fetches
+its loss every ``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5, as most real
+loops do).
 """
 
 from __future__ import annotations
@@ -173,14 +174,14 @@ def main(argv: list[str] | None = None) -> dict:
             (loop.get("mngr") or loop["omngr"]).close()
     shutil.rmtree(root, ignore_errors=True)
 
+    def rounds_of(name: str) -> list[tuple[dict, dict]]:
+        """The (on, off) blocks of each round of a loop."""
+        return [tuple(next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
+                      for flag in (True, False)) for r in range(args.rounds)]
+
     def per_ckpt(name: str, value) -> float:
         """Median over rounds of (``value`` of the on block - of the off block) / checkpoints."""
-        diffs = []
-        for r in range(args.rounds):
-            on, off = (next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
-                       for flag in (True, False))
-            diffs.append((value(on) - value(off)) / on["ckpts"])
-        return statistics.median(diffs)
+        return statistics.median((value(on) - value(off)) / on["ckpts"] for on, off in rounds_of(name))
 
     def per_ckpt_segments(name: str) -> tuple[float, float]:
         """Median over rounds of the seconds per checkpoint that the on block's loss-fetch
@@ -189,9 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         segment, where background work would spill). A segment's median is robust to the
         block-to-block drift that dominates whole-block differences at long intervals."""
         own, other = [], []
-        for r in range(args.rounds):
-            on, off = (next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
-                       for flag in (True, False))
+        for on, off in rounds_of(name):
             base = statistics.median(segments(off["sync_s"]))
             n, first = interval_of[name], on["first_step"]
             marked = {(v - first) // args.sync_every for v in range(first, first + block) if v % n == 0}

@@ -1,6 +1,7 @@
-"""The training loop the in-process benchmarks share: the Flax transformer LM (Linen
+"""The training loop the benchmarks share: the Flax transformer LM (Linen
 ``overlap_ckpt.TrainState``), synthetic token batches committed to the device, and a donated
-jitted step returning ``(state, loss)``, as ``benchmarks.run``'s workers train it."""
+jitted step returning ``(state, loss)``: what ``benchmarks.run``'s workers, bench_tax and
+bench_interval train."""
 
 from __future__ import annotations
 

@@ -117,27 +117,26 @@ def _tree_bytes(tree: Any) -> int:
 
 def worker(spec: dict) -> dict:
     """Train one configuration; return its measurements (JSON-serialisable)."""
-    import functools
-
     import jax
     import jax.numpy as jnp
     import numpy as np
     import optax
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, TransformerLM, linen_init, linen_loss_fn
+    from overlap_ckpt.tools.models import linen_init
+
+    from benchmarks.lm_loop import lm_loop
 
     cfg_name, n = spec["config"], spec["interval"]
     backend = jax.default_backend()
     if spec["platform"] == "gpu" and backend != "gpu":
         raise RuntimeError(f"--platform gpu but JAX's default backend is {backend!r}")
-    config = LMConfig.preset(spec["model"])
-    model = TransformerLM(config)
+    lm = lm_loop(spec["model"], spec["batch_size"], spec["distinct_batches"])
+    config, model, batches, train_step = lm.config, lm.model, lm.batches, lm.train_step
     tx = optax.adamw(1e-3, weight_decay=0.01)
     if spec.get("optimizer") == "clip_adamw":
         tx = optax.chain(optax.clip_by_global_norm(1.0), tx)
     compile_s = _time_compiles_on_this_thread()
-    data = SyntheticTokens(config.vocab_size, config.seq_len, spec["batch_size"], seed=0)
     params = linen_init(config, 0)
     state = oc.TrainState.create(apply_fn=model.apply, params=params, tx=tx)
     del params
@@ -145,13 +144,7 @@ def worker(spec: dict) -> dict:
     state_bytes = param_bytes + _tree_bytes(state.opt_state) + 4  # + the int32 step
     # Committed arrays (an explicit device), as with any explicitly sharded state: without this
     # the first step after a checkpoint window (whose outputs are committed) compiles again.
-    dev = jax.devices()[0]
-    batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, dev) for i in range(spec["distinct_batches"])]
-
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
-        loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
-        return state.apply_gradients(grads=grads), loss
+    dev = lm.device
 
     def tree_of(s):
         return {"step": s.step, "params": s.params, "opt_state": s.opt_state}
