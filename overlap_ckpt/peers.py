@@ -25,9 +25,12 @@ with 256 MiB): fine for shards of up to a few hundred MB per process, replicated
 background; GB-scale shards per process need a bulk point-to-point transport.
 
 Replication runs in the background: after a local step commits, a sender thread publishes
-the newest committed step (older ones it has not sent yet are skipped: only the newest
-matters to a restore) and waits for the holders' acknowledgements; one receiver thread per
-source process installs what arrives. A replica that failed (a full tmpfs, a corrupt
+the newest committed step not yet on the holders and waits for their acknowledgements, then
+the next newest, down to the oldest step the local tier keeps (``max_to_keep``). Newest
+first, because a restore wants the newest step; the older ones too, because a restore falls
+back to them when the newest is torn somewhere, so the replicas hold what the local tier
+holds. A sender that falls behind never queues more than ``max_to_keep`` steps. One
+receiver thread per source process installs what arrives. A replica that failed (a full tmpfs, a corrupt
 transfer, a holder that never answered) is reported as a :class:`CheckpointError` at the
 next ``mngr.step``, like a failed write.
 """
@@ -229,7 +232,7 @@ class PeerReplicas:
         self._cv = threading.Condition()
         self._asked = self._seen = 0  # local steps handed over / looked at by the sender
         self._busy = False
-        self._sent: int | None = None  # the newest step every holder acknowledged
+        self._sent: set[int] = set()  # kept local steps every holder acknowledged
         self._sequence = 0
         self._errors: list[CheckpointError] = []
         self._stop = threading.Event()
@@ -290,7 +293,8 @@ class PeerReplicas:
                     return
                 self._seen, self._busy = self._asked, True
             try:
-                self._send_newest()
+                while not self._stop.is_set() and self._send_next():
+                    pass
             except Exception as e:  # noqa: BLE001 - e.g. the coordination service is gone
                 self._fail(CheckpointError(f"replicating the local tier of process {self.process_index} "
                                            f"failed: {type(e).__name__}: {e}"))
@@ -299,16 +303,24 @@ class PeerReplicas:
                     self._busy = False
                     self._cv.notify_all()
 
-    def _send_newest(self) -> None:
+    def _send_next(self) -> bool:
+        """Send the newest kept local step the holders lack; False when there is none, or
+        when a holder failed it (tried again at the next local step)."""
         location, steps = self._own_steps()
-        if not steps or (self._sent is not None and steps[-1] <= self._sent):
-            return
-        step = steps[-1]
+        kept = steps[-self._max_to_keep:]
+        with self._cv:
+            self._sent.intersection_update(kept)
+            unsent = [s for s in kept if s not in self._sent]
+        if not unsent:
+            return False
+        step = unsent[-1]
         try:
             data = pack(location, step)
-        except OSError as e:  # retention removed it meanwhile: a newer step follows
-            log.warning("local step %d could not be read for its replicas (%s)", step, e)
-            return
+        except OSError:
+            if step in self._own_steps()[1]:
+                raise
+            log.info("local step %d was retired before its replicas were sent", step)
+            return True
         key = f"ring/{self.process_index}/{self._sequence}"  # the receivers take them in sequence
         self._channel.send(key, data, step=step)  # a send that failed is retried under the same key
         self._sequence += 1
@@ -320,8 +332,10 @@ class PeerReplicas:
         if failed:
             self._fail(CheckpointError(f"the replica of local step {step} of process {self.process_index} "
                                        f"failed on {failed}", step=step))
-        else:
-            self._sent = step
+            return False
+        with self._cv:
+            self._sent.add(step)
+        return True
 
     def _receive_loop(self, source: int) -> None:
         sequence = 0
@@ -369,7 +383,7 @@ class PeerReplicas:
         """Delete held replica steps newer than ``step`` (the job resumes from ``step``), and
         send this process's steps after ``step`` again when they are written again."""
         with self._cv:
-            self._sent = None if self._sent is None else min(self._sent, step)
+            self._sent = {s for s in self._sent if s <= step}
         for location in self.held.values():
             for s in commit.list_steps(location).complete:
                 if s > step:

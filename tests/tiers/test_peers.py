@@ -11,6 +11,7 @@ from __future__ import annotations
 import io
 import os
 import tarfile
+import time
 
 import numpy as np
 import pytest
@@ -91,6 +92,7 @@ class FakeKeyValueStore:
 
     def blocking_key_value_get(self, key, timeout_ms):
         if key not in self.values:
+            time.sleep(min(timeout_ms, 1) / 1000)  # pollers (receivers, acknowledgements) do not spin
             raise RuntimeError("DEADLINE_EXCEEDED: no such key yet")
         return self.values[key]
 
@@ -125,3 +127,42 @@ def test_the_channel_delivers_in_parts_and_refuses_damaged_bytes(monkeypatch):
 
     receiver.close()  # a holder that closed is not waited for
     assert sender.wait_acks("n", [1], timeout_s=5) == {1: None}
+
+
+def test_a_sender_that_fell_behind_sends_every_kept_step_newest_first(tmp_path):
+    """Steps 12, 14 and 16 commit on process 0 before its sender looks (a slow sender, a
+    busy machine): the holder ends with what process 0's local tier keeps (14 and 16), so
+    that a restore can fall back to 14 when 16 is torn somewhere. 16 is sent first."""
+    with CheckpointStore(tmp_path / "p0", coordinator=SingleProcess()) as store:
+        for step in (12, 14, 16):
+            store.put(step, {"w": np.full(4, step, np.float32)}, {peers.TIER_KEY: peers.writer_tag(0, 2)})
+            store.flush()
+    own = LocalLocation(tmp_path / "p0")
+    kv = FakeKeyValueStore()
+    sent = []
+    channel_send = peers.Channel.send
+
+    def record(channel, key, data, **fields):
+        sent.append(fields["step"])
+        channel_send(channel, key, data, **fields)
+
+    def replicas(index, own_dir):
+        return peers.PeerReplicas(kv, "ns", process_index=index, process_count=2, replicas=1, own_dir=own_dir,
+                                  own_steps=lambda: (own, commit.list_steps(own).complete), item_name="default",
+                                  max_to_keep=2)
+
+    sender, holder = replicas(0, str(tmp_path / "p0")), replicas(1, str(tmp_path / "p1"))
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(peers.Channel, "send", record)
+        holder.start()
+        sender.start()
+        sender.notify()  # one notification for three committed steps
+        sender.flush()
+        assert sender.take_errors() == []
+        assert holder.held_steps() == {0: [14, 16]}
+        assert sent == [16, 14]
+        sender.notify()  # nothing new: nothing is sent again
+        sender.flush()
+        assert sent == [16, 14]
+        sender.close()
+        holder.close()
