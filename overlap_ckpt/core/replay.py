@@ -13,7 +13,8 @@ as on the device, which is what makes the result bitwise equal on the CPU backen
 
 Host memory (issue 20): a phase holds the host copy, its outbox until each part is used
 (the captured slice until it is copied in, each slice's gradient pieces until they are
-applied), and one replay call's outputs. Replay calls are cut per slice, so the calls of
+applied), and the replay calls' outputs, in buffers each slice reuses from call to call
+(:meth:`ReplayPrograms.run`). Replay calls are cut per slice, so the calls of
 slice ``i`` are the same at every later phase and in every window: with row chunks every
 call of a slice has the same shapes, and the replay compiles one program per slice
 (:class:`Chunk`). Each compiled program keeps several MiB of host memory, and a window
@@ -136,7 +137,7 @@ class WindowReplay:
             parts = self._grad_parts(slices[i], grads[first:stop])
             grads[first:stop] = [None] * (stop - first)
             for batch in self.programs.slice_batches(i):
-                self._replay_batch(batch, parts, injected)
+                self._replay_batch(i, batch, parts, injected)
             del parts
             first = stop
         self.apply_seconds += time.perf_counter() - start
@@ -152,10 +153,12 @@ class WindowReplay:
                     parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
         return parts
 
-    def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
-        """One replay call over ``batch``, in place in the host blocks: its inputs are views
-        of them (stacked only when a leaf has several blocks), its outputs are copied back
-        and dropped, so the replay holds at most one call's outputs besides the copy."""
+    def _replay_batch(self, i: int, batch: tuple[Chunk, ...], grad_parts: GradParts,
+                      injected: list[np.ndarray]) -> None:
+        """One replay call over ``batch`` (of slice ``i``), in place in the host blocks: its
+        inputs are views of them (stacked only when a leaf has several blocks), its outputs
+        land in the slice's reused output buffers and are copied back, so the replay holds
+        one call's outputs besides the copy."""
         plan = self.plan
         by_leaf = {chunk.rows.leaf: chunk for chunk in batch}
         owned = {j: by_leaf[owner] for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf}
@@ -164,10 +167,10 @@ class WindowReplay:
         state_in = {j: self._gather(plan.state[j], self.buffers.state[j], plan.state_piece(j, c.rows))
                     for j, c in owned.items()}
         args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
-        del params_in, state_in, grads_in
-        outs = self.programs.run(args, injected)
-        del args
         n = len(plan.params)
+        del params_in, state_in, grads_in
+        outs = self.programs.run(i, args, injected, [*by_leaf, *(n + j for j in owned)])
+        del args
         for k, c in by_leaf.items():
             self._scatter(plan.params[k], self.buffers.params[k], c.rows, c.keep, outs[k])
             self.replayed_bytes += self.programs.bytes_of(c.keep)
@@ -280,14 +283,18 @@ class ReplayPrograms:
 
         signature = plan.analysis.cut_signature
 
-        def run(args, injected):
+        def run(args, injected, reuse):
+            del reuse  # donated: XLA writes the outputs into these buffers (see :meth:`run`)
             outs, _ = interpret(flat, "inject", args, tokens, injected, signature)
             # Returning the injected scalars gives each one the extra use it has on the
             # device (where it is also shipped out): XLA:CPU rewrites a division by a
             # broadcast scalar differently when the scalar has a single use.
             return [o.value for o in outs], list(injected)
 
-        self._run = jax.jit(run)
+        # keep_unused: jit drops arguments the program does not read, and a dropped
+        # argument is not donated (the outputs would go to fresh memory again).
+        self._run = jax.jit(run, donate_argnums=2, keep_unused=True)
+        self._outputs: dict[int, list[jax.Array]] = {}  # slice -> its calls' output buffers
         self._dummy_state: list[np.ndarray] | None = None
         self._stand_ins: tuple[list[jax.Array], list[jax.Array]] | None = None
         self.batch_bytes = int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
@@ -319,16 +326,22 @@ class ReplayPrograms:
     def scratch_bytes(self) -> int:
         """The most host memory a phase holds besides the host copy: its outbox (the
         captured slice until it is copied in, the gradient pieces of slices 0..j until
-        they are applied) and one replay call's inputs (when stacked or converted),
-        outputs and gradients."""
+        they are applied), one replay call's inputs (when stacked or converted) and
+        gradients, and the calls' output buffers (kept per slice when chunked, see
+        :meth:`run`; else one call's)."""
         plan = self.plan
-        most_call = max((2 * sum(self.bytes_of(c.rows) for c in batch)
-                         + sum(self._grad_bytes(c.rows) for c in batch)
+
+        def rows(batch) -> int:
+            return sum(self.bytes_of(c.rows) for c in batch)
+
+        most_call = max((rows(batch) + sum(self._grad_bytes(c.rows) for c in batch)
                          for batches in self._batches for batch in batches), default=0)
+        outputs = [max(map(rows, batches), default=0) for batches in self._batches]
+        kept_outputs = sum(outputs) if plan.chunked else max(outputs, default=0)
         most_outbox = max((sum(self.bytes_of(p) for p in plan.slicing.slices[j])
                            + sum(self._grad_bytes(p) for p in plan.slicing.pieces_upto(j))
                            for j in range(plan.k - 1)), default=0)
-        return most_outbox + most_call
+        return most_outbox + most_call + kept_outputs
 
     def bytes_of(self, piece: Piece) -> int:
         """Bytes of a piece of a parameter leaf and of the state leaves it owns."""
@@ -404,10 +417,10 @@ class ReplayPrograms:
         each is traced once.
         """
         plan = self.plan
-        for i, args, injected in self._calls():
+        for i, args, injected, reuse in self._calls():
             with blame(self._flat, args, f"on slice {i} of a window",
                        f"rehearsing the host replay of slice {i} of a window"):
-                outs, _ = jax.eval_shape(self._run, args, injected)
+                outs, _ = jax.eval_shape(self._run, args, injected, reuse)
             for k, x in enumerate(args[:len(plan.params)]):
                 if tuple(outs[k].shape) != x.shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "
@@ -422,12 +435,12 @@ class ReplayPrograms:
         the benchmark's peak RSS moved by less than its run-to-run noise). Compiled here,
         :meth:`OverlapEngine.compile_replay` returns that memory before any window."""
         with jax.default_device(self.cpu):
-            for _, args, injected in self._calls():
-                self._run.lower(args, injected).compile()
+            for _, args, injected, reuse in self._calls():
+                self._run.lower(args, injected, reuse).compile()
 
     def _calls(self):
-        """``(slice, args, injected)`` of one replay call per distinct program, as abstract
-        arrays: the arguments :meth:`run` receives."""
+        """``(slice, args, injected, reuse)`` of one replay call per distinct program, as
+        abstract arrays: the arguments of the jitted program (see :meth:`run`)."""
         plan = self.plan
         injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
@@ -436,7 +449,10 @@ class ReplayPrograms:
             params_in = {k: self.gathered(plan.params[k], rows) for k, rows in by_leaf.items()}
             state_in = {j: self.gathered(plan.state[j], plan.state_piece(j, by_leaf[o]))
                         for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf}
-            yield i, self.arguments(params_in, state_in, dict(params_in), shared), injected
+            args = self.arguments(params_in, state_in, dict(params_in), shared)
+            n = len(plan.params)
+            reuse = [jax.ShapeDtypeStruct(args[j].shape, args[j].dtype) for j in (*by_leaf, *(n + j for j in state_in))]
+            yield i, args, injected, reuse
 
     def gathered(self, layout: LeafLayout, rows: Piece) -> jax.ShapeDtypeStruct:
         """Shape and dtype of :meth:`WindowReplay._gather` of ``rows`` of this leaf."""
@@ -448,6 +464,27 @@ class ReplayPrograms:
             shape = ((rows.stop - rows.start) * len(layout.blocks),) + tuple(layout.block_shape[1:])
         return jax.ShapeDtypeStruct(shape, layout.dtype)
 
-    def run(self, args: list[np.ndarray], injected: list[np.ndarray]) -> list[jax.Array]:
+    def run(self, i: int, args: list[np.ndarray], injected: list[np.ndarray], advanced: list[int]) -> list[jax.Array]:
+        """One replay call of slice ``i``: the outputs at ``advanced`` (the leaves it
+        advances, whose outputs are shaped as their inputs) are written into buffers the
+        call donates, the previous call's outputs.
+
+        Why: XLA:CPU puts every output of a call in fresh memory, and on this hardware
+        faulting in fresh pages cost several times the update itself (a 16 MB chunk: 40 ms
+        with fresh outputs, 9 ms into reused ones). A chunked plan's calls of a slice all
+        have the same shapes, so its buffers serve every later call and window; they stay
+        allocated as long as the plan (one call's outputs per slice, counted in
+        :meth:`scratch_bytes`). Whole-leaf calls differ in shape: theirs are made per call.
+        The program itself is the one without donation (the buffers are not read), so the
+        values are those of the device's update, bit for bit.
+        """
         with jax.default_device(self.cpu):
-            return self._run(args, injected)[0]
+            reuse = self._outputs.pop(i, None) if self.plan.chunked else None
+            if reuse is None:
+                # Made as the stand-ins are (uncommitted): one program for the first call and
+                # the later ones, whatever mesh the loop has set.
+                reuse = [jnp.zeros(np.shape(args[j]), args[j].dtype) for j in advanced]
+            outs = self._run(args, injected, reuse)[0]
+        if self.plan.chunked:
+            self._outputs[i] = [outs[j] for j in advanced]
+        return outs
