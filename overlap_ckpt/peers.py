@@ -30,9 +30,9 @@ the next newest, down to the oldest step the local tier keeps (``max_to_keep``).
 first, because a restore wants the newest step; the older ones too, because a restore falls
 back to them when the newest is torn somewhere, so the replicas hold what the local tier
 holds. A sender that falls behind never queues more than ``max_to_keep`` steps. One
-receiver thread per source process installs what arrives. A replica that failed (a full tmpfs, a corrupt
-transfer, a holder that never answered) is reported as a :class:`CheckpointError` at the
-next ``mngr.step``, like a failed write.
+receiver thread per source process installs what arrives. A replica that failed (a full
+tmpfs, a corrupt transfer, a holder that never answered) is reported as a
+:class:`CheckpointError` at the next ``mngr.step``, like a failed write.
 """
 
 from __future__ import annotations
