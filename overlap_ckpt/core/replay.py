@@ -137,7 +137,7 @@ class WindowReplay:
             parts = self._grad_parts(slices[i], grads[first:stop])
             grads[first:stop] = [None] * (stop - first)
             for batch in self.programs.slice_batches(i):
-                self._replay_batch(i, batch, parts, injected)
+                self._replay_batch(batch, parts, injected)
             del parts
             first = stop
         self.apply_seconds += time.perf_counter() - start
@@ -153,12 +153,11 @@ class WindowReplay:
                     parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
         return parts
 
-    def _replay_batch(self, i: int, batch: tuple[Chunk, ...], grad_parts: GradParts,
-                      injected: list[np.ndarray]) -> None:
-        """One replay call over ``batch`` (of slice ``i``), in place in the host blocks: its
-        inputs are views of them (stacked only when a leaf has several blocks), its outputs
-        land in the slice's reused output buffers and are copied back, so the replay holds
-        those buffers besides the copy and no output memory per call."""
+    def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
+        """One replay call over ``batch``, in place in the host blocks: its inputs are views
+        of them (stacked only when a leaf has several blocks), its outputs land in reused
+        output buffers and are copied back, so the replay holds those buffers besides the
+        copy and no output memory per call."""
         plan = self.plan
         by_leaf = {chunk.rows.leaf: chunk for chunk in batch}
         owned = {j: by_leaf[owner] for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf}
@@ -169,7 +168,7 @@ class WindowReplay:
         args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
         n = len(plan.params)
         del params_in, state_in, grads_in
-        outs = self.programs.run(i, args, injected, [*by_leaf, *(n + j for j in owned)])
+        outs = self.programs.run(args, injected, [*by_leaf, *(n + j for j in owned)])
         del args
         for k, c in by_leaf.items():
             self._scatter(plan.params[k], self.buffers.params[k], c.rows, c.keep, outs[k])
@@ -294,7 +293,7 @@ class ReplayPrograms:
         # keep_unused: jit drops arguments the program does not read, and a dropped
         # argument is not donated (the outputs would go to fresh memory again).
         self._run = jax.jit(run, donate_argnums=2, keep_unused=True)
-        self._outputs: dict[int, list[jax.Array]] = {}  # slice -> its calls' output buffers
+        self._outputs: dict[tuple, list[jax.Array]] = {}  # output shapes -> buffers of that shape
         self._dummy_state: list[np.ndarray] | None = None
         self._stand_ins: tuple[list[jax.Array], list[jax.Array]] | None = None
         self.batch_bytes = int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
@@ -336,8 +335,11 @@ class ReplayPrograms:
 
         most_call = max((rows(batch) + sum(self._grad_bytes(c.rows) for c in batch)
                          for batches in self._batches for batch in batches), default=0)
-        outputs = [max(map(rows, batches), default=0) for batches in self._batches]
-        kept_outputs = sum(outputs) if plan.chunked else max(outputs, default=0)
+        outputs: dict[tuple, int] = {}  # as run() keeps them: one set per distinct shapes
+        for batch in (batch for batches in self._batches for batch in batches):
+            shapes = _shapes(self.outputs_of(batch))
+            outputs[shapes] = max(outputs.get(shapes, 0), rows(batch))
+        kept_outputs = sum(outputs.values()) if plan.chunked else max(outputs.values(), default=0)
         most_outbox = max((sum(self.bytes_of(p) for p in plan.slicing.slices[j])
                            + sum(self._grad_bytes(p) for p in plan.slicing.pieces_upto(j))
                            for j in range(plan.k - 1)), default=0)
@@ -445,14 +447,21 @@ class ReplayPrograms:
         injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
         for i, batch in ((i, batch) for i in range(plan.k - 1) for batch in self.slice_batches(i)):
-            by_leaf = {c.rows.leaf: c.rows for c in batch}
-            params_in = {k: self.gathered(plan.params[k], rows) for k, rows in by_leaf.items()}
-            state_in = {j: self.gathered(plan.state[j], plan.state_piece(j, by_leaf[o]))
-                        for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf}
-            args = self.arguments(params_in, state_in, dict(params_in), shared)
-            n = len(plan.params)
-            reuse = [jax.ShapeDtypeStruct(args[j].shape, args[j].dtype) for j in (*by_leaf, *(n + j for j in state_in))]
-            yield i, args, injected, reuse
+            outputs = self.outputs_of(batch)
+            leaves = [c.rows.leaf for c in batch]
+            params_in = dict(zip(leaves, outputs))
+            owned = [j for j, o in enumerate(plan.analysis.state_owner) if o in leaves]
+            state_in = dict(zip(owned, outputs[len(leaves):]))
+            yield i, self.arguments(params_in, state_in, dict(params_in), shared), injected, outputs
+
+    def outputs_of(self, batch: tuple[Chunk, ...]) -> list[jax.ShapeDtypeStruct]:
+        """The outputs a call over ``batch`` writes into donated buffers: its params leaves,
+        then the state leaves they own, shaped as their inputs."""
+        plan = self.plan
+        by_leaf = {c.rows.leaf: c.rows for c in batch}
+        return [*(self.gathered(plan.params[k], rows) for k, rows in by_leaf.items()),
+                *(self.gathered(plan.state[j], plan.state_piece(j, by_leaf[o]))
+                  for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf)]
 
     def gathered(self, layout: LeafLayout, rows: Piece) -> jax.ShapeDtypeStruct:
         """Shape and dtype of :meth:`WindowReplay._gather` of ``rows`` of this leaf."""
@@ -464,28 +473,34 @@ class ReplayPrograms:
             shape = ((rows.stop - rows.start) * len(layout.blocks),) + tuple(layout.block_shape[1:])
         return jax.ShapeDtypeStruct(shape, layout.dtype)
 
-    def run(self, i: int, args: list[np.ndarray], injected: list[np.ndarray], advanced: list[int]) -> list[jax.Array]:
-        """One replay call of slice ``i``: the outputs at ``advanced`` (the leaves it
-        advances, whose outputs are shaped as their inputs) are written into buffers the
-        call donates, the previous call's outputs.
+    def run(self, args: list[np.ndarray], injected: list[np.ndarray], advanced: list[int]) -> list[jax.Array]:
+        """One replay call: the outputs at ``advanced`` (the leaves it advances, shaped as
+        their inputs) are written into buffers the call donates, those of the last call
+        whose outputs had the same shapes.
 
         Why: XLA:CPU puts every output of a call in fresh memory, and on this hardware
         faulting in fresh pages cost several times the update itself (a 16 MB chunk, alone:
         40 ms for the update into fresh outputs and the copy back, against 6 ms for the
-        update into memory already touched and 3 ms for a memcpy). A chunked plan's calls of a slice all
-        have the same shapes, so its buffers serve every later call and window; they stay
-        allocated as long as the plan (one call's outputs per slice, counted in
-        :meth:`scratch_bytes`). Whole-leaf calls differ in shape: theirs are made per call.
-        The program itself is the one without donation (the buffers are not read), so the
-        values are those of the device's update, bit for bit.
+        update into memory already touched and 3 ms for a memcpy). A chunked plan's calls
+        of a slice all have the same shapes, and the slices of a model of equal layers
+        often too: one set of buffers serves them, in every later call and window. They
+        stay allocated as long as the plan (counted in :meth:`scratch_bytes`). Whole-leaf
+        calls differ in shape from group to group: theirs are made per call. The program
+        itself is the one without donation (the buffers are not read), so the values are
+        those of the device's update, bit for bit.
         """
+        shapes = _shapes(args[j] for j in advanced)
         with jax.default_device(self.cpu):
-            reuse = self._outputs.pop(i, None) if self.plan.chunked else None
+            reuse = self._outputs.pop(shapes, None) if self.plan.chunked else None
             if reuse is None:
                 # Made as the stand-ins are (uncommitted): one program for the first call and
                 # the later ones, whatever mesh the loop has set.
                 reuse = [jnp.zeros(np.shape(args[j]), args[j].dtype) for j in advanced]
             outs = self._run(args, injected, reuse)[0]
         if self.plan.chunked:
-            self._outputs[i] = [outs[j] for j in advanced]
+            self._outputs[shapes] = [outs[j] for j in advanced]
         return outs
+
+
+def _shapes(arrays) -> tuple:
+    return tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in arrays)

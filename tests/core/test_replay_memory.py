@@ -133,27 +133,28 @@ def test_replay_inputs_are_the_host_blocks_themselves():
 
 
 def test_replay_outputs_land_in_the_same_buffers_every_call(monkeypatch):
-    """Every replay call of a slice writes its outputs into the buffers of the call before
-    (donated), across phases and windows: fresh output memory per call is what made the
-    replay run at a fraction of a memcpy (page faults), and the checkpoints stay exact."""
+    """Every replay call writes its outputs into the buffers of the last call with outputs
+    of the same shapes (donated), across slices, phases and windows: fresh output memory per
+    call is what made the replay run at a fraction of a memcpy (page faults), and the
+    checkpoints stay exact."""
     from conftest import assert_bitwise, run_loop
 
-    addresses: dict[int, list[tuple[int, ...]]] = {}
+    addresses: dict[tuple, list[tuple[int, ...]]] = {}
     run = replay_module.ReplayPrograms.run
 
-    def recorded(self, i, args, injected, advanced):
-        outs = run(self, i, args, injected, advanced)
-        addresses.setdefault(i, []).append(tuple(outs[j].unsafe_buffer_pointer() for j in advanced))
+    def recorded(self, args, injected, advanced):
+        outs = run(self, args, injected, advanced)
+        shapes = tuple(np.shape(args[j]) for j in advanced)
+        addresses.setdefault(shapes, []).append(tuple(outs[j].unsafe_buffer_pointer() for j in advanced))
         return outs
 
     monkeypatch.setattr(replay_module.ReplayPrograms, "run", recorded)
     engine, sink, refs = run_loop(optax.adam(1e-2), make_params([(16384, 128), (128,), (8192, 128)]),
                                   window=3, interval=4, steps=13)
     assert engine.plan.chunked and len(refs) == 3
-    assert sorted(addresses) == [0, 1]
-    assert len(addresses[0]) > 2 * 3, "slice 0 should need several calls at each of its two phases"
-    for i, seen in addresses.items():
-        assert len(set(seen)) == 1, f"slice {i}: outputs in new memory in some call: {len(set(seen))} buffer sets"
+    assert sum(map(len, addresses.values())) > len(addresses) * 3 * 2, "calls should repeat shapes in a window"
+    for shapes, seen in addresses.items():
+        assert len(set(seen)) == 1, f"outputs {shapes} in new memory in some call: {len(set(seen))} buffer sets"
     for version, ref in refs.items():
         tree, _ = sink.saved[version]
         assert_bitwise((tree["params"], tree["opt_state"]), ref, f"version {version}")
