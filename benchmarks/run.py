@@ -142,9 +142,6 @@ def worker(spec: dict) -> dict:
     del params
     param_bytes = _tree_bytes(state.params)
     state_bytes = param_bytes + _tree_bytes(state.opt_state) + 4  # + the int32 step
-    # Committed arrays (an explicit device), as with any explicitly sharded state: without this
-    # the first step after a checkpoint window (whose outputs are committed) compiles again.
-    dev = lm.device
 
     def tree_of(s):
         return {"step": s.step, "params": s.params, "opt_state": s.opt_state}
@@ -155,7 +152,10 @@ def worker(spec: dict) -> dict:
     # Training starts at step counter s0 (a few steps before the first checkpoint) so that the
     # warm-up is short whatever N is; only adamw's bias correction sees the counter.
     s0 = spec.get("start_step", 0)
-    state = jax.device_put(state.replace(step=jnp.asarray(s0, jnp.int32)), dev)
+    # Committed arrays (an explicit device, as lm_loop commits the batches), as with any
+    # explicitly sharded state: without this the first step after a checkpoint window (whose
+    # outputs are committed) compiles again.
+    state = jax.device_put(state.replace(step=jnp.asarray(s0, jnp.int32)), lm.device)
     ckpt_dir = os.path.join(spec["ckpt_root"], f"{cfg_name}_N{n}")
     shutil.rmtree(ckpt_dir, ignore_errors=True)
     mngr = omngr = None
