@@ -35,7 +35,7 @@ import optax
 from jax.sharding import NamedSharding, PartitionSpec
 
 from . import packing, scalars
-from .interp import interpret
+from .interp import InterpretError, interpret
 from .packing import Packing
 from .plan import CapturePlan, LeafLayout
 from .separability import flat_update_fn, input_tokens, optax_update_fn
@@ -156,9 +156,13 @@ def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, A
     n, m = len(params_leaves), len(state_leaves)
     outs, interp = interpret(flat, "record", [*params_leaves, *state_leaves, *jax.tree.leaves(grads)],
                              input_tokens(n, m))
+    read = tuple(i in interp.read for i in range(len(interp.signature)))
+    if read != plan.analysis.cut_read:
+        raise InterpretError("the update reads other global scalars in this step than when it was "
+                             "planned; re-plan (plan_for) with this step's state.")
     values = [o.value for o in outs]
     return (jax.tree.unflatten(plan.params_def, values[:n]),
-            jax.tree.unflatten(plan.state_def, values[n:]), interp.cuts)
+            jax.tree.unflatten(plan.state_def, values[n:]), interp.read_cuts())
 
 
 def isolated_gradients(plan: CapturePlan, step: Any, grads):

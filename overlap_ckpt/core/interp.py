@@ -14,6 +14,14 @@ scalar produced by a non-elementwise primitive (a reduction) from leaf data is a
 can ship it; in ``inject`` mode (host replay) the recorded device value replaces it. Cuts
 are found in program order, so device and host, tracing the same Python code on trees
 of the same structure, see the same sequence.
+
+Only the cuts that something other than scalar arithmetic on cuts reads (a leaf's update,
+an output, a branch or loop) are *read* (:attr:`Interpreter.read`) and need shipping: the
+host takes those from the device and computes the rest from whatever it holds, which
+nothing then uses. Why not ship every cut: a global norm over n leaves is a chain of n
+scalar additions; shipping each partial sum gives each a second use, into which XLA (CPU
+and GPU) fuses the whole chain again, n^2 additions that took a 201-leaf step from 5 s to
+17 s to compile on the CPU.
 """
 
 from __future__ import annotations
@@ -51,16 +59,19 @@ class Labelled:
     # Input leaves whose element i flows into element i of this value (not through a
     # broadcast scalar): what a co-read (see ``co_reads``) is made of.
     leaf_tokens: Tokens = Tokens()
+    cut: int | None = None  # the position of the cut this value is, if it is one
 
 
 class Interpreter:
     """Evaluates a jaxpr on labelled values, recording or injecting cut scalars.
 
     mode ``"record"``: cuts are appended to :attr:`cuts` (device step).
-    mode ``"inject"``: the i-th cut is replaced by ``injected[i]`` (host replay).
+    mode ``"inject"``: the cuts that ``read`` marks are replaced by ``injected``, in order
+    (host replay); the others keep the value computed here. Without ``read``, every cut is.
     """
 
-    def __init__(self, mode: str, injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None):
+    def __init__(self, mode: str, injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None,
+                 read: Sequence[bool] | None = None):
         if mode not in ("record", "inject"):
             raise ValueError(f"unknown interpreter mode {mode!r}")
         self.mode = mode
@@ -71,18 +82,23 @@ class Interpreter:
         self.expected = None if expected is None else list(expected)
         self.injected = list(injected)
         self._next_injected = 0
+        self._inject = None if read is None else list(read)
+        # Positions of the cuts read by something other than a cut (see the module docstring).
+        self.read: set[int] = set()
         # Token sets of leaves read together, element by element (``p0 - p``): a state
         # leaf read this way with one parameter leaf belongs to its slice even when the
         # update never writes it (a frozen copy of the initial params).
         self.co_reads: list[Tokens] = []
 
     # -- cuts ---------------------------------------------------------------------------
-    def _cut(self, value: Any, where: str, primitive: str) -> Any:
+    def _cut(self, value: Any, where: str, primitive: str, *, read: bool = False) -> Labelled:
         position = len(self.signature)
         self.signature.append((primitive, str(np.dtype(value.dtype))))
+        if read:
+            self.read.add(position)
         if self.mode == "record":
             self.cuts.append(value)
-            return value
+            return Labelled(value, from_cut=True, cut=position)
         if self.expected is not None and (position >= len(self.expected)
                                           or self.expected[position] != self.signature[-1]):
             want = self.expected[position] if position < len(self.expected) else "nothing"
@@ -90,6 +106,8 @@ class Interpreter:
                 f"global scalar #{position} is {self.signature[-1]} in the host replay but "
                 f"{want} on the device (at {where}): the optimizer runs different code for "
                 "the host's leaf shapes, so this slicing cannot be replayed exactly.")
+        if self._inject is not None and not (position < len(self._inject) and self._inject[position]):
+            return Labelled(value, from_cut=True, cut=position)
         if self._next_injected >= len(self.injected):
             raise InterpretError(
                 f"host replay found more global scalars than the device recorded (at "
@@ -102,7 +120,14 @@ class Interpreter:
                 f"global scalar #{self._next_injected - 1} at {where} is "
                 f"{np.shape(value)}/{value.dtype} on the host but the device recorded "
                 f"{np.shape(injected)}/{injected.dtype}.")
-        return injected
+        return Labelled(injected, from_cut=True, cut=position)
+
+    def read_cuts(self) -> list[Any]:
+        """The recorded cuts that are read (what the device ships), in order."""
+        return [c for i, c in enumerate(self.cuts) if i in self.read]
+
+    def _mark_read(self, ins: Sequence[Labelled]) -> None:
+        self.read.update(i.cut for i in ins if i.cut is not None)
 
     def finish(self) -> None:
         """Check that every injected scalar was consumed (same program on both sides)."""
@@ -158,12 +183,14 @@ class Interpreter:
         if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
             # while/scan and other loops: opaque. Every output may depend on every input,
             # and nothing inside is cut, so leaf data inside forbids chunking.
+            self._mark_read(ins)
             return [Labelled(o, tokens, bool(tokens) or from_cut or nonel, from_cut) for o in outs]
         shapes = [tuple(np.shape(o)) for o in outs]
         elementwise = rules.is_elementwise(name, [tuple(np.shape(i.value)) for i in ins])
         if rules.is_global_scalar(shapes, bool(tokens), elementwise, from_cut):
             where = f"{name} at {eqn.source_info.name_stack}" if hasattr(eqn, "source_info") else name
-            return [Labelled(self._cut(o, where, name), from_cut=True) for o in outs]
+            return [self._cut(o, where, name) for o in outs]
+        self._mark_read(ins)
         if elementwise:
             self._note_co_read(ins)
             escaped = rules.escapes_as_size_one(shapes, from_cut)
@@ -177,6 +204,7 @@ class Interpreter:
             self.co_reads.append(Tokens().union(*leafwise))
 
     def _eval_cond(self, eqn, ins: list[Labelled]) -> list[Labelled]:
+        self._mark_read(ins)
         index, ops = ins[0], ins[1:]
         branches: Sequence[jcore.ClosedJaxpr] = eqn.params["branches"]
         # Dry-run every branch abstractly to learn its cuts, so that all branches can
@@ -191,7 +219,7 @@ class Interpreter:
         offsets = np.cumsum([0] + [len(p) for p in probes])
         injected_slots: list[Any] = []
         if self.mode == "inject":
-            injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond", "cond")
+            injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond", "cond", read=True).value
                               for p in probes for s in p]
         labels: list[list[tuple[Tokens, bool, bool]]] = [[] for _ in branches]
 
@@ -212,7 +240,7 @@ class Interpreter:
                                              *[o.value for o in ops])
         if self.mode == "record":
             for value in slot_values:
-                self._cut(value, "cond", "cond")
+                self._cut(value, "cond", "cond", read=True)
         result = []
         for k, value in enumerate(out_values):
             tokens = index.tokens.union(*(labels[b][k][0] for b in range(len(branches))))
@@ -223,16 +251,18 @@ class Interpreter:
 
 
 def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tokens],
-              injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None
-              ) -> tuple[list[Labelled], Interpreter]:
+              injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None,
+              read: Sequence[bool] | None = None) -> tuple[list[Labelled], Interpreter]:
     """Trace ``fn(*flat_args)`` and evaluate it with labelled inputs.
 
     ``args`` is the flat list of input arrays (concrete or tracers), ``tokens`` their
     labels. Returns the labelled flat outputs and the interpreter (whose ``cuts`` holds
-    the recorded global scalars in ``record`` mode).
+    the recorded global scalars in ``record`` mode, ``read`` which of them are read).
+    ``read`` (inject mode): which cuts ``injected`` holds, as a record found them.
     """
     closed = jax.make_jaxpr(fn)(*args)
-    interp = Interpreter(mode, injected, expected)
+    interp = Interpreter(mode, injected, expected, read)
     outs = interp.eval_closed(closed, [Labelled(a, t, leaf_tokens=t if np.ndim(a) > 0 else Tokens()) for a, t in zip(args, tokens)])
+    interp._mark_read(outs)
     interp.finish()
     return outs, interp

@@ -103,7 +103,7 @@ class WindowReplay:
         if phase < plan.k - 1:
             packed = [replicated_value(g) for g in outbox.globals]
             grads, outbox.grads = outbox.grads, []
-            self._replay(phase, grads, scalars.unpack(packed, plan.analysis.cut_signature))
+            self._replay(phase, grads, scalars.unpack(packed, plan.analysis.shipped_signature))
             # Captured arrays and replay outputs are freed in pieces below glibc's mmap
             # threshold: without a trim their pages stay in malloc's arenas (measured on the
             # 20M LM, K=3: ~1.4x the state still resident between windows).
@@ -280,11 +280,11 @@ class ReplayPrograms:
         flat = self._flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
         tokens = input_tokens(n, m)
 
-        signature = plan.analysis.cut_signature
+        signature, read = plan.analysis.cut_signature, plan.analysis.cut_read
 
         def run(args, injected, reuse):
             del reuse  # donated: XLA writes the outputs into these buffers (see :meth:`run`)
-            outs, _ = interpret(flat, "inject", args, tokens, injected, signature)
+            outs, _ = interpret(flat, "inject", args, tokens, injected, signature, read)
             # Returning the injected scalars gives each one the extra use it has on the
             # device (where it is also shipped out): XLA:CPU rewrites a division by a
             # broadcast scalar differently when the scalar has a single use.
@@ -444,7 +444,7 @@ class ReplayPrograms:
         """``(slice, args, injected, reuse)`` of one replay call per distinct program, as
         abstract arrays: the arguments of the jitted program (see :meth:`run`)."""
         plan = self.plan
-        injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.cut_signature]
+        injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.shipped_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
         for i, batch in ((i, batch) for i in range(plan.k - 1) for batch in self.slice_batches(i)):
             outputs = self.outputs_of(batch)

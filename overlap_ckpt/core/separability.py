@@ -84,9 +84,15 @@ class UpdateAnalysis:
     n_params: int
     state_owner: tuple[int | None, ...]  # per opt_state leaf: owning param leaf, or None if shared
     chunkable: bool  # True: elementwise given the global scalars; leaves may be row-chunked
-    n_globals: int  # scalars recorded per step on the device
+    n_globals: int  # scalars the device ships per step (the read ones)
     why_not_chunkable: str = ""
     cut_signature: tuple[tuple[str, str], ...] = ()  # (primitive, dtype) of each global scalar
+    cut_read: tuple[bool, ...] = ()  # per global scalar: read by more than scalar arithmetic, so shipped
+
+    @property
+    def shipped_signature(self) -> tuple[tuple[str, str], ...]:
+        """(primitive, dtype) of each global scalar the device ships, in order."""
+        return tuple(s for s, read in zip(self.cut_signature, self.cut_read) if read)
 
     def owned_state(self, k: int) -> list[int]:
         return [j for j, owner in enumerate(self.state_owner) if owner == k]
@@ -108,7 +114,8 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
 
     def traced(*leaves):
         outs, interp = interpret(flat, "record", leaves, input_tokens(n, m))
-        labels.append((outs, tuple(interp.signature), interp.co_reads))
+        labels.append((outs, tuple(interp.signature), interp.co_reads,
+                       tuple(i in interp.read for i in range(len(interp.signature)))))
         return [o.value for o in outs]
 
     abstract = [jax.ShapeDtypeStruct(x.shape, x.dtype) for x in [*params_leaves, *state_leaves, *params_leaves]]
@@ -117,7 +124,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
             jax.eval_shape(traced, *abstract)
     except InterpretError as e:
         raise UnsupportedOptimizerError(str(e)) from e
-    outs, signature, co_reads = labels[0]
+    outs, signature, co_reads, read = labels[0]
     new_params, new_state = outs[:n], outs[n:]
 
     def param_tokens(tokens) -> set[int]:
@@ -164,7 +171,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
     if reasons:
         why = ("the update reduces within a leaf (e.g. factored or matrix statistics) for "
                + ", ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
-    return UpdateAnalysis(n, tuple(owner), not reasons, len(signature), why, signature)
+    return UpdateAnalysis(n, tuple(owner), not reasons, sum(read), why, signature, read)
 
 
 @contextlib.contextmanager

@@ -53,6 +53,20 @@ def test_cond_slots_are_recorded_and_injected_in_the_same_order():
     np.testing.assert_array_equal(np.asarray(host[0].value), np.asarray(outs[0].value))
 
 
+def test_only_cuts_read_by_leaf_arithmetic_are_shipped_and_injected():
+    def fn(x, y):
+        s = jnp.sqrt(jnp.sum(x * x) + jnp.sum(y * y))  # cuts: 2 sums, their sum, the root
+        return [x / s]
+    x, y = jnp.arange(4.0) + 1, jnp.arange(3.0) - 5
+    outs, rec = run(fn, x, y)
+    assert [p for p, _ in rec.signature] == ["reduce_sum", "reduce_sum", "add", "sqrt"]
+    assert rec.read == {3} and len(rec.read_cuts()) == 1
+    # The host holds a stand-in for y: the sums it computes from it are not used.
+    host, inj = interpret(fn, "inject", [x, jnp.zeros(1)], [A, B], rec.read_cuts(), rec.signature,
+                          [i in rec.read for i in range(4)])
+    np.testing.assert_array_equal(np.asarray(host[0].value), np.asarray(outs[0].value))
+
+
 def test_state_read_with_a_parameter_is_a_co_read_but_a_broadcast_count_is_not():
     s, p, c = Tokens({("s", 0)}), Tokens({("p", 0)}), Tokens({("s", 1)})
 
