@@ -8,11 +8,14 @@ whatever layout XLA returned them (:func:`store_whole`).
 
 from __future__ import annotations
 
+from typing import Any
+
 import jax
 import numpy as np
 
 from ..errors import WindowAborted
 from ..hostarray import HostArray, HostShard, IndexKey, extent, index_from_key, index_key, normalize_index
+from .packing import Captured, CapturedShard
 from .plan import CapturePlan, LeafLayout
 from .slicing import Piece
 
@@ -147,15 +150,29 @@ def host_array(blocks: LeafBlocks) -> HostArray:
     return HostArray(blocks.layout.shape, blocks.layout.dtype, shards)
 
 
-def replicated_value(x: jax.Array) -> np.ndarray:
-    """The value of a replicated (scalar-like) array from this process's first copy."""
-    return np.asarray(x.addressable_shards[0].data)
+def replicated_value(x: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
+    """The value of a replicated (scalar-like) array of ``shape`` from this process's first
+    copy (without the leading unit axes a capture may have added, see :func:`unlead`)."""
+    return np.asarray(x.addressable_shards[0].data).reshape(shape)
+
+
+def unlead(captured: jax.Array, ndim: int) -> Any:
+    """``captured`` without the leading unit axes :func:`overlap_ckpt.core.capture.to_host`
+    put in front of a host copy of ``ndim`` dimensions: its blocks as numpy views."""
+    lead = len(captured.shape) - ndim
+    if lead <= 0:
+        return captured
+    shards = [CapturedShard(normalize_index(s.index, captured.shape)[lead:],
+                            np.asarray(s.data).reshape(s.data.shape[lead:]))
+              for s in captured.addressable_shards if s.replica_id == 0]
+    return Captured(tuple(captured.shape[lead:]), np.dtype(captured.dtype), shards)
 
 
 def store_piece(blocks: LeafBlocks, captured: jax.Array, piece: Piece, *, adopt: bool = False) -> None:
     """Copy a captured piece (pinned-host array) into the host blocks it belongs to; with
     ``adopt``, a piece that is a whole block is kept as a view instead."""
     layout = blocks.layout
+    captured = unlead(captured, len(layout.shape))
     if piece.start == 0 and piece.stop == layout.rows and tuple(captured.shape) == layout.shape:
         store_whole(blocks, captured, adopt=adopt)
         return

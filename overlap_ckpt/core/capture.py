@@ -26,8 +26,10 @@ on TPU only their small items do, the others keep a copy each.
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import dataclasses
-from typing import Any, Callable
+from typing import Any, Callable, Iterator
 
 import jax
 import jax.numpy as jnp
@@ -52,6 +54,10 @@ class WindowTicket:
     plan: CapturePlan
     phase: int
     capture: bool = True  # False: run the window's update, copy nothing (a skipped window)
+    # Unit axes put in front of every host copy (see :func:`to_host`); set at trace time
+    # when several states are in windows in one step (window_context.ticket_for). Not part
+    # of the ticket's identity: the manager matches the outbox against the ticket it sent.
+    lead_axes: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self) -> None:
         if not 0 <= self.phase < self.plan.k:
@@ -94,6 +100,18 @@ jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads"
                                  meta_fields=["ticket", "packing"])
 
 
+_LEAD_AXES = contextvars.ContextVar("overlap_ckpt_lead_axes", default=0)
+
+
+@contextlib.contextmanager
+def _leading_axes(n: int) -> Iterator[None]:
+    token = _LEAD_AXES.set(n)
+    try:
+        yield
+    finally:
+        _LEAD_AXES.reset(token)
+
+
 def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` placed in the plan's outbox memory, keeping its device layout (per-shard copies).
 
@@ -107,6 +125,14 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
     A plan without an outbox memory kind (``jax.pmap``, whose outputs always live in device
     memory) leaves the array where it is; the door copies it to the host after the step.
     Another memory kind than ``pinned_host`` (emulation in tests) is placed by sharding.
+
+    Leading unit axes (the ticket's ``lead_axes``, in a step that updates several managed
+    states): ``jax.jit`` pairs each donated input with the first output of the same shape
+    and dtype, and without ``out_shardings`` it ignores memory kinds. The first state's host
+    copies come out before the second state, so a donated leaf of the second state could be
+    paired with a host copy of the first, and the runtime aborts the process ("PjRtBuffer's
+    memory kind does not match"). With more leading unit axes than any managed leaf has, no
+    host copy has the shape of a leaf. The host drops them (:func:`overlap_ckpt.core.buffers.unlead`).
     """
     if plan.outbox_memory is None:
         return x
@@ -117,7 +143,11 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
         return jax.device_put(x, jax.memory.Space.Host)
     if plan.outbox_memory != HOST_KIND:
         return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
-    return jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
+    x = jax.device_put(x, sharding)
+    lead = _LEAD_AXES.get()
+    if lead:
+        x = x.reshape((1,) * lead + x.shape)
+    return jax.device_put(x, jax.memory.Space.Host)
 
 
 def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan) -> jax.Array:
@@ -218,6 +248,12 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     if ticket is None:
         new_params, new_state = optax_update_fn(tx)(params, opt_state, grads)
         return new_params, new_state, None
+    with _leading_axes(ticket.lead_axes):
+        return _window_update(tx, ticket, params, opt_state, grads, extras, step)
+
+
+def _window_update(tx: optax.GradientTransformation, ticket: WindowTicket, params, opt_state, grads,
+                   extras: Any, step: Any) -> tuple[Any, Any, Outbox]:
     plan = ticket.plan
     if plan.tx is not tx:
         raise ValueError("capture_update: the ticket was planned for another optax transformation "

@@ -280,7 +280,7 @@ def unpack(packed: Sequence[jax.Array], items: Sequence[Item]) -> list[Captured]
     """The outbox arrays of ``items`` out of their packed host copies (see :func:`pack`)."""
     out: list[Captured | None] = [None] * len(items)
     for (_, members), array in zip(groups(items), packed, strict=True):
-        parts = [(s.device, np.asarray(s.data)) for s in array.addressable_shards]
+        parts = [(s.device, np.asarray(s.data).reshape(-1)) for s in array.addressable_shards]  # lead axes: to_host
         offsets = np.cumsum([0] + [items[n].local_size for n in members])
         for n, start, stop in zip(members, offsets[:-1], offsets[1:]):
             dtype = np.dtype(items[n].layout.dtype)

@@ -36,7 +36,7 @@ from ..errors import WindowAborted
 from ..hostarray import index_key, normalize_index
 from . import scalars
 from .capture import Outbox
-from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory
+from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory, unlead
 from .interp import InterpretError, interpret
 from .plan import CapturePlan, LeafLayout
 from .separability import blame, flat_update_fn, input_tokens
@@ -98,10 +98,11 @@ class WindowReplay:
         for i, (blocks, piece) in enumerate(targets):
             store_piece(blocks, captured[i], piece, adopt=last)
             captured[i] = None
-        self.shared = [replicated_value(x) for x in outbox.shared]
+        self.shared = [replicated_value(x, plan.state[j].shape)
+                       for j, x in zip(plan.analysis.shared_state, outbox.shared)]
         self._check_shared_version(phase)
         if phase < plan.k - 1:
-            packed = [replicated_value(g) for g in outbox.globals]
+            packed = [replicated_value(g, (-1,)) for g in outbox.globals]
             grads, outbox.grads = outbox.grads, []
             self._replay(phase, grads, scalars.unpack(packed, plan.analysis.shipped_signature))
             # Captured arrays and replay outputs are freed in pieces below glibc's mmap
@@ -147,6 +148,7 @@ class WindowReplay:
         parts: GradParts = {}
         for piece, g in zip(pieces, grads):
             layout = self.plan.params[piece.leaf]
+            g = unlead(g, len(layout.shape))
             for shard in g.addressable_shards:
                 if shard.replica_id == 0:
                     key = index_key(layout.block_of(normalize_index(shard.index, g.shape), piece))

@@ -8,6 +8,7 @@ and is reused by every later window (the plan, and so the ticket, compares by va
 from __future__ import annotations
 
 import functools
+import os
 import threading
 
 import jax
@@ -16,6 +17,8 @@ import optax
 
 import overlap_ckpt as oc
 from overlap_ckpt.core.window_context import hand_to_next_step, window_ticket, window_tickets
+
+from conftest import REPO, run_python
 
 
 class Owner:  # a manager, as far as the context is concerned
@@ -83,7 +86,7 @@ def test_other_jitted_functions_compile_once_per_phase_then_never_again(tmp_path
     assert window_tickets() == ()  # closing the manager leaves plain steps behind
 
 
-def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
+def gan_loop(directory, donate: bool) -> None:
     """A GAN-like loop: two states with their own optimizers, each with a manager, stepped in
     one jitted function; their windows overlap. Each checkpoint equals its own state."""
     import numpy as np
@@ -94,15 +97,15 @@ def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
         params = {"w": jnp.full((4, 3), scale), "b": jnp.zeros(3)}
         return oc.TrainState.create(apply_fn=None, params=params, tx=tx)
 
-    # Not donated: jit pairs a donated input with the first output of its shape, whatever its
-    # memory kind, and the first state's host copies come out before the second state.
-    @jax.jit
+    # Both states have leaves of the same shapes: donated, each could be paired by jit with a
+    # host copy of the other (see overlap_ckpt.core.capture.to_host).
+    @functools.partial(jax.jit, donate_argnums=(0, 1) if donate else ())
     def train_step(gen, disc):
         g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))
         return gen.apply_gradients(grads=g(gen.params)), disc.apply_gradients(grads=g(disc.params))
 
-    with oc.CheckpointManager(tmp_path / "gen", save_interval_steps=4, window=2) as mg, \
-            oc.CheckpointManager(tmp_path / "disc", save_interval_steps=4, window=2) as md:
+    with oc.CheckpointManager(f"{directory}/gen", save_interval_steps=4, window=2) as mg, \
+            oc.CheckpointManager(f"{directory}/disc", save_interval_steps=4, window=2) as md:
         gen, disc = mg.prepare(new(optax.adam(1e-2), 0.1)), md.prepare(new(optax.sgd(1e-1, 0.9), -0.2))
         snaps = {}
         for t in range(9):
@@ -124,3 +127,18 @@ def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
                                      jax.tree.leaves((want_params, want_opt))):
                     assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), \
                         (name, step)
+
+
+def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
+    gan_loop(tmp_path, donate=False)
+
+
+def test_two_donated_states_in_one_step(tmp_path):
+    """Both states donated: the runtime aborted the process at the first window step when
+    jit paired a donated leaf of one state with a host copy of the other, so the loop runs in
+    a subprocess."""
+    code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {os.path.join(REPO, 'tests', 'core')!r}]\n"
+            f"from test_window_context import gan_loop\n"
+            f"gan_loop({str(tmp_path)!r}, donate=True)\nprint('gan ok')\n")
+    proc = run_python(code)
+    assert proc.returncode == 0 and "gan ok" in proc.stdout, proc.stderr[-3000:]

@@ -3,6 +3,8 @@ resume is bitwise, plain nnx.Optimizer and shape mismatches give clear errors.""
 
 from __future__ import annotations
 
+import os
+
 import jax
 import numpy as np
 import optax
@@ -12,6 +14,8 @@ from flax import nnx
 from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn
 from overlap_ckpt.doors.nnx import Optimizer, to_plain
+
+from conftest import REPO, run_python
 
 CFG = LMConfig.preset("tiny", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8)
 DATA = SyntheticTokens(CFG.vocab_size, CFG.seq_len, batch_size=2, seed=0)
@@ -136,3 +140,45 @@ def test_compile_ahead_of_an_nnx_jit_step_compiles_every_window_variant_off_the_
         mngr.wait_until_finished()
         assert mngr.all_steps() == [INTERVAL, 2 * INTERVAL]
     assert len(compiles) == 3, compiles  # no window variant compiled on the training thread
+
+
+def gan_loop(directory) -> None:
+    """Two models, each with its optimizer and manager, updated in one donating ``nnx.jit``;
+    their windows overlap. Each checkpoint equals its own state's synchronous snapshot."""
+    @nnx.jit(donate_argnums=(0, 1, 2, 3))
+    def step(gen, gen_opt, disc, disc_opt, batch):
+        loss_g, grads_g = nnx.value_and_grad(nnx_loss_fn)(gen, batch)
+        gen_opt.update(gen, grads_g)
+        loss_d, grads_d = nnx.value_and_grad(nnx_loss_fn)(disc, batch)
+        disc_opt.update(disc, grads_d)
+        return loss_g + loss_d
+
+    with CheckpointManager(f"{directory}/gen", save_interval_steps=INTERVAL, window=2) as mg, \
+            CheckpointManager(f"{directory}/disc", save_interval_steps=INTERVAL, window=2) as md:
+        (gen, gen_opt), (disc, disc_opt) = make(seed=0), make(seed=1)
+        mg.prepare(gen_opt, gen)
+        md.prepare(disc_opt, disc)
+        snaps = {}
+        for t in range(2 * INTERVAL + 1):
+            step(gen, gen_opt, disc, disc_opt, DATA.batch(t))
+            mg.step(gen_opt)
+            md.step(disc_opt)
+            if mg.should_save(t + 1):
+                snaps[t + 1] = (snapshot(gen, gen_opt), snapshot(disc, disc_opt))
+        for i, mngr in enumerate((mg, md)):
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [4, 8]
+            for v in (4, 8):
+                raw, _ = mngr.store.restore(v)
+                bitwise_equal(raw["params"], snaps[v][i]["params"])
+                bitwise_equal(raw["opt_state"], snaps[v][i]["opt_state"])
+
+
+def test_two_donated_optimizers_in_one_step(tmp_path):
+    """Both models and optimizers donated: the runtime aborted the process at the first
+    window step when jit paired a donated leaf of one with a host copy of the other
+    (overlap_ckpt.core.capture.to_host), so the loop runs in a subprocess."""
+    code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {os.path.join(REPO, 'tests', 'doors')!r}]\n"
+            f"from test_nnx import gan_loop\ngan_loop({str(tmp_path)!r})\nprint('gan ok')\n")
+    proc = run_python(code)
+    assert proc.returncode == 0 and "gan ok" in proc.stdout, proc.stderr[-3000:]
