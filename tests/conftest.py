@@ -137,3 +137,15 @@ def run_python(code: str, *, devices: int = 1, timeout: int = 600) -> subprocess
     env["JAX_PLATFORMS"] = "cpu"
     return subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True,
                           timeout=timeout)
+
+
+
+def run_in_subprocess(test_file: str, function: str, *args) -> None:
+    """Run ``function(*args)`` of the test module ``test_file`` in a fresh interpreter and
+    fail with its stderr unless it returns: for what, broken, aborts the process (a
+    runtime abort would take the test worker down with it)."""
+    folder, module = os.path.split(os.path.splitext(test_file)[0])
+    code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {folder!r}]\n"
+            f"from {module} import {function}\n{function}(*{args!r})\nprint('returned')\n")
+    proc = run_python(code)
+    assert proc.returncode == 0 and proc.stdout.rstrip().endswith("returned"), (proc.returncode, proc.stderr[-3000:])

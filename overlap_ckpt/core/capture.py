@@ -54,9 +54,10 @@ class WindowTicket:
     plan: CapturePlan
     phase: int
     capture: bool = True  # False: run the window's update, copy nothing (a skipped window)
-    # Unit axes put in front of every host copy (see :func:`to_host`); set at trace time
-    # when several states are in windows in one step (window_context.ticket_for). Not part
-    # of the ticket's identity: the manager matches the outbox against the ticket it sent.
+    # Unit axes put in front of every host copy beyond what the plan's own leaves need (see
+    # :func:`to_host`); set at trace time when several states are in windows in one step
+    # (window_context.ticket_for). Not part of the ticket's identity: the manager matches
+    # the outbox against the ticket it sent.
     lead_axes: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self) -> None:
@@ -103,6 +104,14 @@ jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads"
 _LEAD_AXES = contextvars.ContextVar("overlap_ckpt_lead_axes", default=0)
 
 
+def lead_axes(plans: Any) -> int:
+    """One more leading axis of size 1 than any leaf of the plans' states has (see :func:`to_host`)."""
+    def units(shape: tuple[int, ...]) -> int:
+        return next((i for i, n in enumerate(shape) if n != 1), len(shape))
+    return 1 + max(units(tuple(layout.shape)) for plan in plans
+                   for layout in (*plan.params, *plan.state, *plan.extras))
+
+
 @contextlib.contextmanager
 def _leading_axes(n: int) -> Iterator[None]:
     token = _LEAD_AXES.set(n)
@@ -126,13 +135,14 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
     memory) leaves the array where it is; the door copies it to the host after the step.
     Another memory kind than ``pinned_host`` (emulation in tests) is placed by sharding.
 
-    Leading unit axes (the ticket's ``lead_axes``, in a step that updates several managed
-    states): ``jax.jit`` pairs each donated input with the first output of the same shape
-    and dtype, and without ``out_shardings`` it ignores memory kinds. The first state's host
-    copies come out before the second state, so a donated leaf of the second state could be
-    paired with a host copy of the first, and the runtime aborts the process ("PjRtBuffer's
-    memory kind does not match"). With more leading unit axes than any managed leaf has, no
-    host copy has the shape of a leaf. The host drops them (:func:`overlap_ckpt.core.buffers.unlead`).
+    Leading unit axes (:func:`lead_axes`, set by :func:`capture_update`): ``jax.jit`` pairs
+    each donated input with the first output of the same shape and dtype, and without
+    ``out_shardings`` it ignores memory kinds. A donated array the step returns after the
+    state (an EMA of the params, a second managed state) could be paired with a host copy
+    of the same shape, and the runtime then aborts the process ("PjRtBuffer's memory kind
+    does not match"). With more leading unit axes than any managed leaf has, no host copy
+    has the shape of a leaf, nor of anything shaped like one. The host drops them
+    (:func:`overlap_ckpt.core.buffers.unlead`).
     """
     if plan.outbox_memory is None:
         return x
@@ -248,7 +258,7 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     if ticket is None:
         new_params, new_state = optax_update_fn(tx)(params, opt_state, grads)
         return new_params, new_state, None
-    with _leading_axes(ticket.lead_axes):
+    with _leading_axes(max(ticket.lead_axes, lead_axes([ticket.plan]))):
         return _window_update(tx, ticket, params, opt_state, grads, extras, step)
 
 

@@ -30,7 +30,7 @@ from typing import Any, Iterator
 
 import jax
 
-from .capture import WindowTicket
+from .capture import WindowTicket, lead_axes
 
 _TICKETS = jax.make_user_context(default_value=())
 _HANDED = threading.local()  # .by_owner: WeakKeyDictionary {manager: its ticket}, this thread's
@@ -45,23 +45,16 @@ def ticket_for(tx: Any) -> WindowTicket | None:
     """The ticket planned for the optax transformation ``tx``, if one is handed out.
 
     With several tickets out (states of several managers updated in one step), its host
-    copies get more leading unit axes than any leaf of those states has, so that ``jit``
-    cannot pair one of their donated leaves with them (see :func:`overlap_ckpt.core.capture.to_host`).
+    copies get more leading unit axes than any leaf of all those states has, so that ``jit``
+    cannot pair a donated leaf of another with them (see :func:`overlap_ckpt.core.capture.to_host`).
     """
     tickets = _TICKETS.value
     for ticket in tickets:
         if ticket.plan.tx is tx:
             if len(tickets) == 1:
                 return ticket
-            return dataclasses.replace(ticket, lead_axes=1 + max(_leading_units(t.plan) for t in tickets))
+            return dataclasses.replace(ticket, lead_axes=lead_axes([t.plan for t in tickets]))
     return None
-
-
-def _leading_units(plan: Any) -> int:
-    """The most leading axes of size 1 any leaf of ``plan``'s state has."""
-    def units(shape: tuple[int, ...]) -> int:
-        return next((i for i, n in enumerate(shape) if n != 1), len(shape))
-    return max(units(tuple(layout.shape)) for layout in (*plan.params, *plan.state, *plan.extras))
 
 
 def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:

@@ -17,7 +17,7 @@ from overlap_ckpt.core.plan import make_plan
 from overlap_ckpt.core.window_context import window_ticket
 from overlap_ckpt.doors.base import committed
 
-from conftest import assert_bitwise, make_params, toy_loss
+from conftest import assert_bitwise, make_params, run_in_subprocess, toy_loss
 
 MODEL = nn.Dense(3)
 X = jnp.linspace(-1, 1, 20).reshape(4, 5)
@@ -124,3 +124,34 @@ def test_a_global_norm_over_many_leaves_is_computed_once_in_a_window_step():
 
     plain, phase0 = additions(None), additions(WindowTicket(plan, 0))
     assert phase0 <= plain + 2 * n, (plain, phase0)
+
+
+def ema_loop(directory) -> None:
+    """A step that returns a donated EMA of the params after the state (a common loop): its
+    leaves have the shapes of the state's host copies. Each checkpoint equals its snapshot."""
+    params = make_params([(8, 4), (4,)])
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def step(state, ema, x):
+        state = state.apply_gradients(grads=jax.grad(toy_loss)(state.params, x))
+        return state, jax.tree.map(lambda e, p: 0.9 * e + 0.1 * p, ema, state.params)
+
+    with oc.CheckpointManager(directory, save_interval_steps=4, window=2) as mngr:
+        state = mngr.prepare(oc.TrainState.create(apply_fn=None, params=params, tx=TX))
+        ema, snaps = jax.tree.map(jnp.copy, params), {}
+        for t in range(9):
+            state, ema = step(state, ema, jnp.float32(0.1 + 0.01 * t))
+            state = mngr.step(state)
+            if t + 1 in (4, 8):
+                snaps[t + 1] = jax.device_get((state.params, state.opt_state))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8]
+        for version, (want_params, want_opt) in snaps.items():
+            saved = mngr.restore(version)
+            assert_bitwise((saved["params"], saved["opt_state"]), (want_params, want_opt), f"step {version}")
+
+
+def test_a_donated_array_shaped_like_the_state_returned_after_it(tmp_path):
+    """jit paired a donated EMA leaf with a host copy of the same shape (it ignores memory
+    kinds) and the runtime aborted the process at the first window step: run in a subprocess."""
+    run_in_subprocess(__file__, "ema_loop", str(tmp_path))

@@ -8,7 +8,6 @@ and is reused by every later window (the plan, and so the ticket, compares by va
 from __future__ import annotations
 
 import functools
-import os
 import threading
 
 import jax
@@ -18,7 +17,7 @@ import optax
 import overlap_ckpt as oc
 from overlap_ckpt.core.window_context import hand_to_next_step, window_ticket, window_tickets
 
-from conftest import REPO, run_python
+from conftest import run_in_subprocess
 
 
 class Owner:  # a manager, as far as the context is concerned
@@ -137,8 +136,4 @@ def test_two_donated_states_in_one_step(tmp_path):
     """Both states donated: the runtime aborted the process at the first window step when
     jit paired a donated leaf of one state with a host copy of the other, so the loop runs in
     a subprocess."""
-    code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {os.path.join(REPO, 'tests', 'core')!r}]\n"
-            f"from test_window_context import gan_loop\n"
-            f"gan_loop({str(tmp_path)!r}, donate=True)\nprint('gan ok')\n")
-    proc = run_python(code)
-    assert proc.returncode == 0 and "gan ok" in proc.stdout, proc.stderr[-3000:]
+    run_in_subprocess(__file__, "gan_loop", str(tmp_path), True)

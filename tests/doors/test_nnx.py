@@ -3,8 +3,6 @@ resume is bitwise, plain nnx.Optimizer and shape mismatches give clear errors.""
 
 from __future__ import annotations
 
-import os
-
 import jax
 import numpy as np
 import optax
@@ -15,7 +13,7 @@ from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn
 from overlap_ckpt.doors.nnx import Optimizer, to_plain
 
-from conftest import REPO, run_python
+from conftest import run_in_subprocess
 
 CFG = LMConfig.preset("tiny", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8)
 DATA = SyntheticTokens(CFG.vocab_size, CFG.seq_len, batch_size=2, seed=0)
@@ -178,7 +176,4 @@ def test_two_donated_optimizers_in_one_step(tmp_path):
     """Both models and optimizers donated: the runtime aborted the process at the first
     window step when jit paired a donated leaf of one with a host copy of the other
     (overlap_ckpt.core.capture.to_host), so the loop runs in a subprocess."""
-    code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {os.path.join(REPO, 'tests', 'doors')!r}]\n"
-            f"from test_nnx import gan_loop\ngan_loop({str(tmp_path)!r})\nprint('gan ok')\n")
-    proc = run_python(code)
-    assert proc.returncode == 0 and "gan ok" in proc.stdout, proc.stderr[-3000:]
+    run_in_subprocess(__file__, "gan_loop", str(tmp_path))
