@@ -84,7 +84,6 @@ class UpdateAnalysis:
     n_params: int
     state_owner: tuple[int | None, ...]  # per opt_state leaf: owning param leaf, or None if shared
     chunkable: bool  # True: elementwise given the global scalars; leaves may be row-chunked
-    n_globals: int  # scalars the device ships per step (the read ones)
     why_not_chunkable: str = ""
     cut_signature: tuple[tuple[str, str], ...] = ()  # (primitive, dtype) of each global scalar
     cut_read: tuple[bool, ...] = ()  # per global scalar: read by more than scalar arithmetic, so shipped
@@ -93,6 +92,11 @@ class UpdateAnalysis:
     def shipped_signature(self) -> tuple[tuple[str, str], ...]:
         """(primitive, dtype) of each global scalar the device ships, in order."""
         return tuple(s for s, read in zip(self.cut_signature, self.cut_read) if read)
+
+    @property
+    def n_globals(self) -> int:
+        """Scalars the device ships per step."""
+        return sum(self.cut_read)
 
     def owned_state(self, k: int) -> list[int]:
         return [j for j, owner in enumerate(self.state_owner) if owner == k]
@@ -171,7 +175,7 @@ def analyze_update(update: UpdateFn, params, opt_state) -> UpdateAnalysis:
     if reasons:
         why = ("the update reduces within a leaf (e.g. factored or matrix statistics) for "
                + ", ".join(reasons[:3]) + (" ..." if len(reasons) > 3 else ""))
-    return UpdateAnalysis(n, tuple(owner), not reasons, sum(read), why, signature, read)
+    return UpdateAnalysis(n, tuple(owner), not reasons, why, signature, read)
 
 
 @contextlib.contextmanager

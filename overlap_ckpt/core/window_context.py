@@ -44,15 +44,13 @@ def window_tickets() -> tuple[WindowTicket, ...]:
 def ticket_for(tx: Any) -> WindowTicket | None:
     """The ticket planned for the optax transformation ``tx``, if one is handed out.
 
-    With several tickets out (states of several managers updated in one step), its host
-    copies get more leading unit axes than any leaf of all those states has, so that ``jit``
+    Its host copies get more leading unit axes than any leaf of the states in windows has
+    (several, when several managers' states are updated in one step), so that ``jit``
     cannot pair a donated leaf of another with them (see :func:`overlap_ckpt.core.capture.to_host`).
     """
     tickets = _TICKETS.value
     for ticket in tickets:
         if ticket.plan.tx is tx:
-            if len(tickets) == 1:
-                return ticket
             return dataclasses.replace(ticket, lead_axes=lead_axes([t.plan for t in tickets]))
     return None
 
