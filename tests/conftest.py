@@ -140,12 +140,13 @@ def run_python(code: str, *, devices: int = 1, timeout: int = 600) -> subprocess
 
 
 
-def run_in_subprocess(test_file: str, function: str, *args) -> None:
-    """Run ``function(*args)`` of the test module ``test_file`` in a fresh interpreter and
-    fail with its stderr unless it returns: for what, broken, aborts the process (a
-    runtime abort would take the test worker down with it)."""
+def run_in_subprocess(test_file: str, function: str, *args, devices: int = 1) -> None:
+    """Run ``function(*args)`` of the test module ``test_file`` in a fresh interpreter (with
+    ``devices`` simulated CPU devices) and fail with its stderr unless it returns: for what,
+    broken, aborts the process (a runtime abort would take the test worker down with it),
+    and for what needs a device count other than the test process's."""
     folder, module = os.path.split(os.path.splitext(test_file)[0])
     code = (f"import sys; sys.path[:0] = [{os.path.join(REPO, 'tests')!r}, {folder!r}]\n"
             f"from {module} import {function}\n{function}(*{args!r})\nprint('returned')\n")
-    proc = run_python(code)
+    proc = run_python(code, devices=devices)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("returned"), (proc.returncode, proc.stderr[-3000:])

@@ -222,10 +222,14 @@ class OverlapEngine:
         shapes) before it is used, so an optimizer that cannot be replayed is refused here.
         """
         if self.plan is not None:
-            why = self.plan.matches(params, opt_state, extras)
-            if why is None:
+            mismatch = self.plan.matches(params, opt_state, extras)
+            if mismatch is None:
                 return self.plan
-            log.warning("train state changed (%s); the open window is discarded and the next one re-planned", why)
+            if mismatch.moved:  # expected once after prepare when jit picks its output shardings
+                log.info("re-planning the checkpoint window: %s", mismatch.why)
+            else:
+                log.warning("train state changed (%s); the open window is discarded and the next one re-planned",
+                            mismatch.why)
             self._queue.put(("abort", "the train state changed"))
         def plan_with(chunk_leaves):
             return make_plan(self.tx, params, opt_state, extras, self.schedule.k,

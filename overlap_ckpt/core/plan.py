@@ -81,6 +81,11 @@ def leaf_layout(x: Any) -> LeafLayout:
                       tuple(sorted(blocks, key=index_key)))
 
 
+def leaf_sharding(x: Any) -> jax.sharding.Sharding | None:
+    """The sharding of a concrete or abstract leaf (None for a numpy or Python value)."""
+    return x.sharding if isinstance(x, (jax.Array, jax.ShapeDtypeStruct)) else None
+
+
 def abstract_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[tuple[slice, ...]]:
     """The distinct blocks of an array of ``shape`` placed by ``sharding`` that this process
     would hold (one per shard, as :func:`overlap_ckpt.hostarray.local_blocks` yields them)."""
@@ -122,6 +127,10 @@ class CapturePlan:
     outbox_memory: str | None = "pinned_host"  # memory kind of the captured copies (None: device)
     pack_outbox: bool = False  # one host copy per element width instead of one per leaf (core.packing)
     pack_max_bytes: int | None = None  # pack only items of at most this many bytes per device (None: all)
+    # The shardings the leaves had when planned (params, opt_state, extras), before small
+    # leaves were moved onto the state's mesh: what :meth:`matches` compares the live state
+    # with. Not part of the plan's value (the layouts above are what the capture uses).
+    placements: tuple = ()
 
     def _key(self) -> tuple:
         return (self.tx.init, self.tx.update, self.params_def, self.state_def, self.extras_def,
@@ -167,19 +176,45 @@ class CapturePlan:
             return Piece(j, 0, self.state[j].rows)
         return Piece(j, piece.start, piece.stop)
 
-    def matches(self, params, opt_state, extras) -> str | None:
-        """Why this plan does not fit the given state, or None when it does."""
+    def matches(self, params, opt_state, extras) -> "Mismatch | None":
+        """Why this plan does not fit the given state, or None when it does.
+
+        A leaf placed otherwise than when planned does not fit: this process would keep
+        other blocks of it. ``jax.jit`` without ``out_shardings`` lets XLA pick the
+        shardings of the step's outputs, and it often shards a replicated leaf (a bias, an
+        optimizer moment) after the first step; a plan made from the state before it would
+        expect blocks that no process receives.
+        """
+        placements = iter(self.placements)
         for name, tree, treedef, layouts in (("params", params, self.params_def, self.params),
                                              ("opt_state", opt_state, self.state_def, self.state),
                                              ("extras", extras, self.extras_def, self.extras)):
             leaves, got_def = jax.tree.flatten(tree)
             if got_def != treedef:
-                return f"the structure of {name} changed"
+                return Mismatch(f"the structure of {name} changed")
             for (path, x), layout in zip(jax.tree_util.tree_flatten_with_path(tree)[0], layouts):
                 if tuple(np.shape(x)) != layout.shape or np.dtype(x.dtype) != layout.dtype:
-                    return (f"{name}{jax.tree_util.keystr(path)} is {np.shape(x)}/{x.dtype}, "
-                            f"planned {layout.shape}/{layout.dtype}")
+                    return Mismatch(f"{name}{jax.tree_util.keystr(path)} is {np.shape(x)}/{x.dtype}, "
+                                    f"planned {layout.shape}/{layout.dtype}")
+                planned = next(placements, None)
+                if isinstance(x, jax.Array) and planned is not None \
+                        and not x.sharding.is_equivalent_to(planned, x.ndim):
+                    return Mismatch(f"{name}{jax.tree_util.keystr(path)} is placed as "
+                                    f"{_placement(x.sharding)}, planned {_placement(planned)}", moved=True)
         return None
+
+
+@dataclasses.dataclass(frozen=True)
+class Mismatch:
+    """Why a plan does not fit a state; ``moved`` when only a leaf's placement changed."""
+
+    why: str
+    moved: bool = False
+
+
+def _placement(sharding: jax.sharding.Sharding) -> str:
+    spec = getattr(sharding, "spec", None)
+    return f"PartitionSpec{tuple(spec)}" if spec is not None else type(sharding).__name__
 
 
 def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, window: int,
@@ -204,6 +239,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     memcpy that packing would double: it does not pack unless told to.
     """
     update = optax_update_fn(tx)
+    placements = tuple(leaf_sharding(x) for x in jax.tree.leaves((params, opt_state, extras)))
     params_def, params_l = _layouts(params)
     state_def, state_l = _layouts(opt_state)
     extras_def, extras_l = _layouts(extras)
@@ -247,7 +283,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
         pack_max_bytes = TPU_PACK_MAX_BYTES
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
-                       pack_max_bytes if pack_outbox else None)
+                       pack_max_bytes if pack_outbox else None, placements)
 
 
 def _on_state_devices(layout: LeafLayout, state_sharding: jax.sharding.Sharding) -> LeafLayout:

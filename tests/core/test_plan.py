@@ -27,7 +27,7 @@ def test_matches_names_the_changed_leaf():
     plan = make_plan(tx, params, tx.init(params), None, 1)
     assert plan.matches(params, tx.init(params), None) is None
     wider = make_params([(8, 4)])
-    assert "(8, 4)" in plan.matches(wider, tx.init(wider), None)
+    assert "(8, 4)" in plan.matches(wider, tx.init(wider), None).why
 
 
 def test_state_piece_follows_the_parameter_rows():
