@@ -74,12 +74,14 @@ class CheckpointError(OverlapCkptError):
 class CheckpointFailure:
     """One checkpoint that was not written: its step, the stage that failed, the cause.
 
-    The engine records the "replay" and "handoff" stages, the storage the "persist" one;
+    The engine records the "window" (a window discarded, see
+    :class:`~overlap_ckpt.errors.WindowAborted`), "replay" and "handoff" stages, the storage
+    the "persist" one;
     :class:`overlap_ckpt.CheckpointManager` keeps them all in ``failed_steps()``.
     """
 
     step: int | None
-    stage: str  # "replay", "handoff", "persist"
+    stage: str  # "window", "replay", "handoff", "persist"
     error: BaseException
 
     def __str__(self) -> str:

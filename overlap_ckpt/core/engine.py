@@ -29,7 +29,7 @@ from .buffers import HostBuffers, trim_host_memory
 from . import backend, packing
 from .capture import Outbox, WindowTicket
 from .plan import CapturePlan, make_plan
-from .replay import ReplayPrograms, WindowReplay
+from .replay import UNREPORTED_STEP, ReplayPrograms, WindowReplay
 from .schedule import WindowSchedule, WindowTracker
 
 log = logging.getLogger(__name__)
@@ -343,7 +343,7 @@ class OverlapEngine:
             if kind == "flush":
                 item.set()
                 continue
-            if kind == "abort":
+            if kind == "abort":  # a restart or a re-plan: the loop's own doing, not a failure
                 window = self._abort(window, item)
                 continue
             if kind == "release":
@@ -355,7 +355,8 @@ class OverlapEngine:
             try:
                 if ticket.phase == 0:
                     if window is not None:
-                        self._abort(window, f"a new window for step {version} started")
+                        self._abort(window, f"the window of step {version} started before it ended. "
+                                            f"{UNREPORTED_STEP}", failed=True)
                     window = WindowReplay(ticket.plan, self._pool.acquire(ticket.plan), version, item.programs)
                 if window is None or window.plan != ticket.plan or window.version != version:
                     continue  # joined mid-window (e.g. after a resume): wait for the next one
@@ -371,7 +372,7 @@ class OverlapEngine:
                     self._hand_off(done, item.metadata)
                     del done  # the pool and the sink hold the copy now, nothing else
             except WindowAborted as e:
-                window = self._abort(window, str(e))
+                window = self._abort(window, str(e), failed=True)
             except BaseException as e:  # noqa: BLE001 - reported to the training thread
                 log.error("checkpoint window of step %d failed: %s: %s", version, type(e).__name__, brief(e))
                 self._failures.append(CheckpointFailure(version, "replay", e))
@@ -402,10 +403,17 @@ class OverlapEngine:
         self._pool.lend(window.version, window.buffers)
         self.windows_completed += 1
 
-    def _abort(self, window: WindowReplay | None, why: str) -> None:
+    def _abort(self, window: WindowReplay | None, why: str, *, failed: bool = False) -> None:
+        """Discard ``window``. ``failed``: the checkpoint the loop asked for is lost for a
+        reason of the loop's (a step not reported, a state changed outside the optimizer),
+        which is recorded as a failure, so that it reaches the user at the next call as
+        Orbax's failed saves do, rather than only in a log line."""
         if window is not None:
             self.windows_aborted += 1
             log.warning("checkpoint window for step %d discarded: %s", window.version, why)
+            if failed:
+                self._failures.append(CheckpointFailure(window.version, "window", WindowAborted(
+                    f"the checkpoint window of step {window.version} was discarded: {why}")))
         return None
 
 

@@ -64,6 +64,10 @@ class Chunk:
 
 GradParts = dict[tuple[int, BlockKey], list[tuple[Piece, np.ndarray]]]
 
+# Why a window's steps do not line up, and what the loop must do: said wherever that is found.
+UNREPORTED_STEP = ("A step was not reported, or the state changed outside the optimizer: call "
+                   "mngr.step(state) after every step; use optax.apply_if_finite, not a restored old state")
+
 
 class WindowReplay:
     """Receives the phases of one window in order and produces the host state at V."""
@@ -86,7 +90,7 @@ class WindowReplay:
     def receive(self, outbox: Outbox) -> None:
         plan, phase = self.plan, outbox.ticket.phase
         if phase != self.next_phase:
-            raise WindowAborted(f"window for step {self.version} expected phase {self.next_phase}, got {phase}")
+            raise WindowAborted(f"phase {phase} arrived where {self.next_phase} was due. {UNREPORTED_STEP}")
         last = phase == plan.k - 1
         # The outbox is the window's now: each captured array is dropped as soon as it is
         # used (the slice once copied in, gradient pieces once applied), not at the end of
@@ -123,10 +127,8 @@ class WindowReplay:
             return
         for replayed, fresh in zip(self.shared_after_replay, self.shared):
             if np.issubdtype(fresh.dtype, np.integer) and not np.array_equal(replayed, fresh):
-                raise WindowAborted(
-                    f"window for step {self.version}: optimizer counters after replaying phase "
-                    f"{phase - 1} are {replayed.tolist()} but the device reports {fresh.tolist()}; "
-                    "a training step was not reported to the checkpointer. The window is discarded.")
+                raise WindowAborted(f"optimizer counters are {replayed.tolist()} after replay, "
+                                    f"{fresh.tolist()} on the device. {UNREPORTED_STEP}")
 
     def _replay(self, phase: int, grads: list[jax.Array], injected: list[np.ndarray]) -> None:
         """Apply this phase's gradient to slices 0..``phase``, slice by slice; each slice's

@@ -134,6 +134,40 @@ def test_a_replay_failure_names_the_step_and_the_stage(tmp_path, monkeypatch):
         assert 12 in mngr.all_steps() and [f.step for f in mngr.failed_steps()] == [4]
 
 
+@functools.partial(jax.jit, donate_argnums=0)
+def step_or_keep(state, x, keep):
+    """A loss-scaling style step: when ``keep``, the old params and moments are put back after
+    the update (as Flax's DynamicScale does on a non-finite step), which the replay cannot see."""
+    new = state.apply_gradients(grads=jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params))
+    kept = functools.partial(jax.tree.map, lambda n, o: jnp.where(keep, o, n))
+    return new.replace(params=kept(new.params, state.params), opt_state=kept(new.opt_state, state.opt_state))
+
+
+def test_a_discarded_window_is_a_failure_that_reaches_the_user(tmp_path):
+    """A window whose steps the host cannot line up (here the state put back after the
+    update in the middle of the window of step 4) loses the checkpoint the loop asked for:
+    it is raised at a later call with the cause and the fix, as a failed write is, and the
+    next window is taken as usual. It used to be only a log line: all_steps() lacked 4."""
+    raised = []
+    with oc.CheckpointManager(save_interval_steps=4, window=3, store=blocking(tmp_path)) as mngr:
+        state = mngr.prepare(make_state())
+        for t in range(9):
+            keep = t < 4 and mngr.engine.phase(int(state.step)) == 1
+            state = step_or_keep(state, x_at(t), keep)
+            try:
+                state = mngr.step(state)
+            except CheckpointError as e:
+                raised.append(e)
+                state = mngr.step(state)
+            settle(mngr)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [8]
+        assert [(f.step, f.stage) for f in mngr.failed_steps()] == [(4, "window")]
+    assert len(raised) == 1 and [f.step for f in raised[0].failures] == [4]
+    message = str(raised[0].failures[0].error)
+    assert "apply_if_finite" in message and "mngr.step(state)" in message and len(str(raised[0])) < MAX_ERROR
+
+
 def test_refusals_at_prepare_are_short_and_say_what_to_do(tmp_path):
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     lookahead = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
