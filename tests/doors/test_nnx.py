@@ -177,3 +177,53 @@ def test_two_donated_optimizers_in_one_step(tmp_path):
     window step when jit paired a donated leaf of one with a host copy of the other
     (overlap_ckpt.core.capture.to_host), so the loop runs in a subprocess."""
     run_in_subprocess(__file__, "gan_loop", str(tmp_path))
+
+
+class MLP(nnx.Module):
+    def __init__(self, rngs):
+        self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
+
+    def __call__(self, x):
+        return self.l2(jax.numpy.tanh(self.l1(x)))
+
+
+def fsdp_loop_without_out_shardings(directory: str) -> None:
+    """Kernels sharded over two devices, biases replicated, the batch sharded, and an
+    ``nnx.jit`` step: XLA shards the biases and their moments from the first step on."""
+    from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+
+    mesh = Mesh(np.array(jax.devices()), ("data",))
+    model = MLP(nnx.Rngs(0))
+    for variable, spec in ((model.l1.kernel, P(None, "data")), (model.l2.kernel, P("data", None)),
+                           (model.l1.bias, P()), (model.l2.bias, P())):
+        variable[...] = jax.device_put(variable[...], NamedSharding(mesh, spec))
+    optimizer = Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
+
+    @nnx.jit(donate_argnums=(0, 1))
+    def step(model, optimizer, x, y):
+        grads = nnx.grad(lambda m: jax.numpy.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+
+    batch, snaps = NamedSharding(mesh, P("data")), {}
+    with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
+        mngr.prepare(optimizer, model)
+        for t in range(2 * INTERVAL + 1):
+            data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
+            step(model, optimizer, jax.device_put(data[:, :8], batch), jax.device_put(data[:, 8:], batch))
+            mngr.step(optimizer)
+            if mngr.should_save(t + 1):
+                snaps[t + 1] = snapshot(model, optimizer)
+        # The premise: the step placed a replicated leaf otherwise than prepare saw it.
+        assert model.l1.bias[...].sharding.spec != P(), model.l1.bias[...].sharding
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8] and mngr.engine.windows_aborted == 0
+        for v in (4, 8):
+            raw, _ = mngr.store.restore(v)
+            bitwise_equal(raw["params"], snaps[v]["params"])
+            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+
+
+def test_a_step_that_shards_a_replicated_leaf_is_checkpointed_exactly(tmp_path):
+    """The window is planned on the state as the step places it (the replay failed with
+    "add got incompatible shapes (8,), (16,)" when planned on the state at prepare)."""
+    run_in_subprocess(__file__, "fsdp_loop_without_out_shardings", str(tmp_path), devices=2)
