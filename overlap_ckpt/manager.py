@@ -218,6 +218,8 @@ class CheckpointManager:
         compiled) and K chosen from its flops (:func:`overlap_ckpt.autok.predict_window`),
         so the variants compiled are those of the K every window will use. When
         ``window="auto"`` changes K later (measured), the new variants compile the same way.
+        With ``on_host_budget="skip"`` the variants a skipped window runs (the same update,
+        no copies) compile too.
         """
         self._check_open()
         if self._door is None:
@@ -255,6 +257,11 @@ class CheckpointManager:
         step_fn, args, kwargs = self._ahead
         plan = self.engine.plan
         tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+        if self._budget.on_full == "skip":
+            # A skipped window's steps run variants that copy nothing; a skip comes when the
+            # host is already short of memory, the worst moment for a compile on the
+            # training thread. ("wait" never runs them for lack of memory.)
+            tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
 
         first_step = self._stepped
 

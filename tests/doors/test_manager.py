@@ -171,6 +171,49 @@ def test_compile_ahead_moves_window_compiles_off_the_training_thread(tmp_path):
     assert len(compiles) == 3, compiles  # nothing compiled on the training thread after that
 
 
+def test_compile_ahead_with_skip_also_compiles_the_variants_of_a_skipped_window(tmp_path):
+    """With on_host_budget="skip", a window declined for host memory runs its steps as a
+    variant that copies nothing (the trajectory stays that of the schedule). compile_ahead
+    compiles those too: a skip happens when the host is already under pressure, the worst
+    moment for a compile of the whole step on the training thread."""
+    from jax import monitoring
+
+    from overlap_ckpt.storage import hooks
+
+    compiles = []  # the thread of every compile of this test's step
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(skipped_step)" else None)
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def skipped_step(state, x):  # a step of its own: nothing compiled by other tests
+        grads = jax.grad(lambda p: jnp.sum(jnp.sinh(x @ p["w"] + p["b"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    release = threading.Event()
+    previous = hooks.set_fault_hook(lambda stage, info: release.wait(60)
+                                    if stage == "start" and info["step"] == 4 else None)
+    try:
+        with CheckpointManager(tmp_path / "probe", save_interval_steps=4, window=2) as probe:
+            probe.prepare(make_state())
+            one_checkpoint = sum(probe.engine.footprint())
+        with CheckpointManager(tmp_path / "run", save_interval_steps=4, window=2, on_host_budget="skip",
+                               max_host_bytes=one_checkpoint) as mngr:
+            state = mngr.prepare(make_state())
+            compiling = mngr.compile_ahead(skipped_step, state, batch(0))
+            state = mngr.step(skipped_step(state, batch(0)))
+            compiling.join()
+            for t in range(1, 9):  # step 8's window starts while step 4's persist is stuck
+                state = mngr.step(skipped_step(state, batch(t)))
+            release.set()
+            mngr.wait_until_finished()
+            assert mngr.skipped_steps() == [8] and mngr.all_steps() == [4]
+    finally:
+        release.set()
+        hooks.set_fault_hook(previous)
+    assert compiles.count(threading.main_thread().name) == 1, compiles  # the user's own program only
+
+
 def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path):
     """The host replay's programs compile on the compile-ahead thread too, not on the replay
     thread at the first window (where XLA's working memory added to the window's own)."""
