@@ -21,6 +21,11 @@ from .slicing import Piece
 
 BlockKey = IndexKey
 
+# The usual reason captured shards are not where a plan expects them, and the fix.
+MOVED = ("The leaf is placed otherwise than when the window was planned (jit without "
+         "out_shardings moves leaves after the first step): CheckpointManager re-plans at every "
+         "window; with OverlapEngine, call plan_for(params, opt_state, extras) at phase 0 of each.")
+
 
 class LeafBlocks:
     """The host blocks of one leaf, by global index key.
@@ -215,4 +220,4 @@ def store_whole(blocks: LeafBlocks, captured: jax.Array, *, adopt: bool = False)
         if filled != dest.size:
             raise WindowAborted(
                 f"captured leaf of shape {layout.shape} covers {filled} of the {dest.size} elements "
-                f"of host block {key}; its shards are not where this process expects them.")
+                f"of host block {key}; its shards are not where this process expects them. {MOVED}")

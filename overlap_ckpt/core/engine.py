@@ -193,7 +193,8 @@ class OverlapEngine:
         Every step of a scheduled window gets a ticket, even one whose window this run does
         not capture (see :class:`WindowTracker`); :meth:`submit` drops what is not wanted.
         Needs a plan (:meth:`plan_for`); at phase 0 of every window, call :meth:`plan_for`
-        with the current state first if its structure may have changed.
+        with the current state first if its structure or placement may have changed (a jit
+        without ``out_shardings`` may move leaves after the first step).
         """
         phase = self.windows.phase(step)
         if phase is None:

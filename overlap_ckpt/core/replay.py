@@ -36,7 +36,7 @@ from ..errors import WindowAborted
 from ..hostarray import index_key, normalize_index
 from . import scalars
 from .capture import Outbox
-from .buffers import BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory, unlead
+from .buffers import MOVED, BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory, unlead
 from .interp import InterpretError, interpret
 from .plan import CapturePlan, LeafLayout
 from .separability import blame, flat_update_fn, input_tokens
@@ -151,8 +151,12 @@ class WindowReplay:
         for piece, g in zip(pieces, grads):
             layout = self.plan.params[piece.leaf]
             g = unlead(g, len(layout.shape))
+            want = (piece.stop - piece.start,) + tuple(layout.block_shape[1:]) if layout.shape else ()
             for shard in g.addressable_shards:
                 if shard.replica_id == 0:
+                    if tuple(shard.data.shape) != want:
+                        raise WindowAborted(f"the gradient of params leaf {piece.leaf} arrived in blocks of "
+                                            f"shape {tuple(shard.data.shape)} where {want} was planned. {MOVED}")
                     key = index_key(layout.block_of(normalize_index(shard.index, g.shape), piece))
                     parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
         return parts

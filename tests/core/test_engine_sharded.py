@@ -40,3 +40,68 @@ def test_sharded_state_on_four_devices():
     code = "import sys; sys.path.insert(0, %r)\n" % os.path.join(REPO, "tests") + CODE
     result = run_python(code, devices=4)
     assert "SHARDED-OK" in result.stdout, result.stdout[-3000:] + result.stderr[-5000:]
+
+
+MOVED_CODE = r'''
+import functools, jax, jax.numpy as jnp, numpy as np, optax
+from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
+from conftest import check_windows
+from overlap_ckpt import MemorySink, OverlapEngine, capture_update
+from overlap_ckpt.errors import WindowAborted
+mesh = Mesh(np.array(jax.devices()), ("data",))
+specs = {"w1": P(None, "data"), "b1": P(), "w2": P("data", None), "b2": P()}
+shapes = {"w1": (8, 16), "b1": (16,), "w2": (16, 4), "b2": (4,)}
+tx = optax.adam(1e-2)
+
+def loss(p, x, y):
+    return jnp.mean((jnp.tanh(x @ p["w1"] + p["b1"]) @ p["w2"] + p["b2"] - y) ** 2)
+
+@functools.partial(jax.jit, donate_argnums=(1, 2))  # no out_shardings: XLA shards the biases
+def step(ticket, params, opt_state, x, y, t):
+    grads = jax.grad(loss)(params, x, y)
+    return capture_update(tx, ticket, params, opt_state, grads, {"step": t}, step=t)
+
+def run(replan):
+    rng = np.random.default_rng(0)
+    params = {k: jax.device_put(rng.standard_normal(s, dtype=np.float32), NamedSharding(mesh, specs[k]))
+              for k, s in shapes.items()}
+    opt_state, sink = tx.init(params), MemorySink()
+    engine = OverlapEngine(tx, sink, interval=4, window=2)
+    extras = lambda t: {"step": jax.device_put(jnp.int32(t), NamedSharding(mesh, P()))}
+    engine.plan_for(params, opt_state, extras(0))
+    refs, batch = {}, NamedSharding(mesh, P("data"))
+    for t in range(9):
+        if replan and engine.phase(t) == 0:
+            engine.plan_for(params, opt_state, extras(t))
+        data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
+        params, opt_state, outbox = step(engine.ticket(t), params, opt_state, jax.device_put(data[:, :8], batch),
+                                         jax.device_put(data[:, 8:], batch), extras(t)["step"])
+        if outbox is not None:
+            engine.submit(t, outbox)
+        if (t + 1) % 4 == 0:
+            refs[t + 1] = jax.device_get((params, opt_state))
+    assert params["b1"].sharding.spec != P(), params["b1"].sharding  # the premise: a leaf moved
+    return engine, sink, refs
+
+engine, sink, refs = run(replan=False)  # planned once, on the state before the first step
+try:
+    engine.wait_until_finished()
+except WindowAborted as e:
+    assert "out_shardings" in str(e) and "plan_for" in str(e), e
+else:
+    raise AssertionError("a window planned on moved leaves was not reported")
+engine, sink, refs = run(replan=True)  # plan_for at phase 0 of every window, as the manager does
+engine.wait_until_finished()
+check_windows(sink, refs)
+print("MOVED-OK")
+'''
+
+
+def test_a_leaf_moved_after_planning_is_reported_with_the_fix():
+    """With the engine, a plan made before the first step of a jit without out_shardings
+    expects a replicated bias that the step shards: the window fails with the cause and the
+    fix (it was a broadcasting TypeError from the replay); planned again at phase 0 of each
+    window, every checkpoint is bitwise."""
+    code = "import sys; sys.path.insert(0, %r)\n" % os.path.join(REPO, "tests") + MOVED_CODE
+    result = run_python(code, devices=2)
+    assert "MOVED-OK" in result.stdout, result.stdout[-3000:] + result.stderr[-5000:]
