@@ -33,7 +33,7 @@ from .core import backend
 from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
 from .core.window_context import hand_to_next_step, window_ticket
-from .doors.abstract import abstract_arguments
+from .doors.abstract import abstract_arguments, after_the_step, graph_nodes
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
 from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
@@ -129,6 +129,7 @@ class CheckpointManager:
         self._extras: list | None = None  # extras copied before the next step (doors that need it)
         self._failures: list[CheckpointFailure] = []
         self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
+        self._ahead_live: tuple | None = None  # its NNX objects and state positions, until the first step
         self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
         self._stepped = threading.Event()  # set once step() has seen a trained state
         self._ahead_error: BaseException | None = None  # a window variant that failed to compile
@@ -184,6 +185,7 @@ class CheckpointManager:
         self._check_open()
         self._raise_failures()
         if not self._stepped.is_set():  # a lock-free read: the hot path pays no Condition
+            self._follow_the_first_step(state)
             self._stepped.set()
         if self._ahead_error is not None:
             error, self._ahead_error = self._ahead_error, None
@@ -231,9 +233,27 @@ class CheckpointManager:
             raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
                             "prepared; pass the arguments of one call of the step, the state among them")
         self._ahead = (step_fn, *abstract_arguments(args, kwargs))
+        if not self._stepped.is_set():
+            self._ahead_live = (graph_nodes(args), [i for i, a in enumerate(args) if self._door.is_state(a)])
         if self._auto is not None:
             self._predict_window(next(a for a in args if self._door.is_state(a)))
         return self._compile_ahead()
+
+    def _follow_the_first_step(self, state: Any) -> None:
+        """Before the variants given to :meth:`compile_ahead` compile: when the first step
+        moved a leaf (a jit without ``out_shardings``), plan again and take the call's
+        arguments as the step left them (:func:`overlap_ckpt.doors.abstract.after_the_step`),
+        so that what compiles ahead is what the windows run."""
+        live, self._ahead_live = self._ahead_live, None
+        if live is None or self._door is None:
+            return
+        parts = self._door.parts(state)
+        mismatch = self.engine.plan.matches(parts.params, parts.opt_state, parts.extras)
+        if mismatch is None or not mismatch.moved:
+            return
+        self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
+        step_fn, args, kwargs = self._ahead
+        self._ahead = (step_fn, after_the_step(args, *live, state), kwargs)
 
     def _predict_window(self, state: Any) -> None:
         """``window="auto"``: K from the plain step's program, before any window. The
@@ -254,19 +274,19 @@ class CheckpointManager:
         self._use_window(predicted.k, state)
 
     def _compile_ahead(self) -> threading.Thread:
-        step_fn, args, kwargs = self._ahead
-        plan = self.engine.plan
-        tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
-        if self._budget.on_full == "skip":
-            # A skipped window's steps run variants that copy nothing; a skip comes when the
-            # host is already short of memory, the worst moment for a compile on the
-            # training thread. ("wait" never runs them for lack of memory.)
-            tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
-
         first_step = self._stepped
 
         def run() -> None:
             first_step.wait()  # the user's own program is compiled (and its memory freed)
+            # Read after the first step, which may have planned again (_follow_the_first_step).
+            step_fn, args, kwargs = self._ahead
+            plan = self.engine.plan
+            tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+            if self._budget.on_full == "skip":
+                # A skipped window's steps run variants that copy nothing; a skip comes when
+                # the host is already short of memory, the worst moment for a compile on the
+                # training thread. ("wait" never runs them for lack of memory.)
+                tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
             try:
                 for ticket in tickets:
                     if self._closed:

@@ -36,3 +36,28 @@ def abstract_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
         for i, copy in zip(nodes, copies):
             out[i] = copy
     return tuple(out), jax.tree.map(abstract_array, kwargs)
+
+
+def graph_nodes(args: tuple) -> dict[int, Any]:
+    """The NNX objects among ``args``, by position."""
+    return {i: a for i, a in enumerate(args) if graphlib.is_graph_node(a)}
+
+
+def after_the_step(abstract_args: tuple, nodes: dict[int, Any], states: list[int], state: Any) -> tuple:
+    """``abstract_args`` (of a call before the first step) as the call is after it: the
+    state at ``states`` as the step returned it, and the NNX objects ``nodes`` (live, updated
+    in place by the step) as they hold now.
+
+    Why: a ``jit`` without ``out_shardings`` places its outputs where XLA chose (a replicated
+    bias comes back sharded), so every later call sees other input shardings than the
+    first; window variants compiled for the first call's would compile again at the first
+    window, on the training thread."""
+    out = list(abstract_args)
+    for i in states:
+        if i not in nodes:
+            out[i] = jax.tree.map(abstract_array, state)
+    if nodes:
+        copies, _ = abstract_arguments(tuple(nodes.values()), {})
+        for i, copy in zip(nodes, copies):
+            out[i] = copy
+    return tuple(out)

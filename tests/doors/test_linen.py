@@ -159,10 +159,11 @@ def mlp_loss(params, x, y):
     return jnp.mean((h @ params["dense2"]["kernel"] + params["dense2"]["bias"] - y) ** 2)
 
 
-def fsdp_loop_without_out_shardings(directory: str) -> None:
-    """Kernels sharded over two devices, biases replicated, the batch sharded, and a jit
+def fsdp_mlp():
+    """Kernels sharded over the devices, biases replicated, the batch sharded, and a jit
     without ``out_shardings``: XLA shards the replicated biases (and their moments) from
-    the first step on, so the state at the first window is not placed as at ``prepare``."""
+    the first step on, so the state at the first window is not placed as at ``prepare``.
+    Returns the state's params, the jitted step and the batch of step ``t``."""
     mesh = Mesh(np.array(jax.devices()), ("data",))
     specs = {"dense1": {"kernel": P(None, "data"), "bias": P()}, "dense2": {"kernel": P("data", None), "bias": P()}}
     rng = np.random.default_rng(0)
@@ -172,19 +173,26 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
               for layer, kernel in (("dense1", (8, 16)), ("dense2", (16, 4)))}
 
     @functools.partial(jax.jit, donate_argnums=0)
-    def step(state, x, y):
+    def fsdp_step(state, x, y):
         loss, grads = jax.value_and_grad(mlp_loss)(state.params, x, y)
         return state.apply_gradients(grads=grads), loss
 
-    batch = NamedSharding(mesh, P("data"))
+    def batch(t):
+        data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
+        return tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (data[:, :8], data[:, 8:]))
+
+    return params, fsdp_step, batch
+
+
+def fsdp_loop_without_out_shardings(directory: str) -> None:
+    params, step, batch = fsdp_mlp()
     for window in (2, 3):
         snaps = {}
         with CheckpointManager(f"{directory}/k{window}", save_interval_steps=INTERVAL, window=window) as mngr:
             state = mngr.prepare(TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
                                                    tx=optax.adam(1e-2)))
             for t in range(2 * INTERVAL + 1):
-                data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
-                state, _ = step(state, jax.device_put(data[:, :8], batch), jax.device_put(data[:, 8:], batch))
+                state, _ = step(state, *batch(t))
                 state = mngr.step(state)
                 if mngr.should_save(t + 1):
                     snaps[t + 1] = jax.tree.map(lambda x: np.array(x, copy=True), {
@@ -198,8 +206,40 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
                 assert_tree_bitwise(saved_as_state_tree(raw, snaps[v]), snaps[v], where=f"K={window} V={v} ")
 
 
+def fsdp_loop_compiled_ahead(directory: str) -> None:
+    import threading
+
+    from jax import monitoring
+
+    compiles = []  # the thread of every compile of the step
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(fsdp_step)" else None)
+    params, step, batch = fsdp_mlp()
+    with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
+        state = mngr.prepare(TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2)))
+        compiling = mngr.compile_ahead(step, state, *batch(0))
+        state = mngr.step(step(state, *batch(0))[0])
+        compiling.join()
+        for t in range(1, 2 * INTERVAL + 1):
+            state = mngr.step(step(state, *batch(t))[0])
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8]
+    # The user's own program compiles twice (the second call's inputs are placed otherwise),
+    # the two window variants once each, ahead, for the inputs the windows have.
+    main = threading.main_thread().name
+    assert compiles.count(main) == 2 and compiles.count("overlap-ckpt-compile-ahead") == 2, compiles
+
+
 def test_a_step_that_shards_a_replicated_leaf_is_checkpointed_exactly(tmp_path):
     """The window is planned on the state as the step places it: a plan made from the state
     at ``prepare`` expected a replicated bias whose gradient and moments came back in
     halves, and the replay failed ("add got incompatible shapes (8,), (16,)")."""
     run_in_subprocess(__file__, "fsdp_loop_without_out_shardings", str(tmp_path), devices=2)
+
+
+def test_compile_ahead_compiles_the_variants_for_the_state_as_the_first_step_placed_it(tmp_path):
+    """compile_ahead is given the state before the first step; when that step moved a leaf,
+    the variants are compiled for the state as it is after it (they were compiled for the
+    old placement, and again on the training thread at the first window)."""
+    run_in_subprocess(__file__, "fsdp_loop_compiled_ahead", str(tmp_path), devices=2)

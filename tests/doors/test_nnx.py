@@ -187,9 +187,10 @@ class MLP(nnx.Module):
         return self.l2(jax.numpy.tanh(self.l1(x)))
 
 
-def fsdp_loop_without_out_shardings(directory: str) -> None:
-    """Kernels sharded over two devices, biases replicated, the batch sharded, and an
-    ``nnx.jit`` step: XLA shards the biases and their moments from the first step on."""
+def fsdp_mlp():
+    """Kernels sharded over the devices, biases replicated, the batch sharded, and an
+    ``nnx.jit`` step: XLA shards the biases and their moments from the first step on.
+    Returns the model, its optimizer, the step and the batch of step ``t``."""
     from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
     mesh = Mesh(np.array(jax.devices()), ("data",))
@@ -197,19 +198,28 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
     for variable, spec in ((model.l1.kernel, P(None, "data")), (model.l2.kernel, P("data", None)),
                            (model.l1.bias, P()), (model.l2.bias, P())):
         variable[...] = jax.device_put(variable[...], NamedSharding(mesh, spec))
-    optimizer = Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)
 
     @nnx.jit(donate_argnums=(0, 1))
-    def step(model, optimizer, x, y):
+    def fsdp_step(model, optimizer, x, y):
         grads = nnx.grad(lambda m: jax.numpy.mean((m(x) - y) ** 2))(model)
         optimizer.update(model, grads)
 
-    batch, snaps = NamedSharding(mesh, P("data")), {}
+    def batch(t):
+        data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
+        return tuple(jax.device_put(a, NamedSharding(mesh, P("data"))) for a in (data[:, :8], data[:, 8:]))
+
+    return model, Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), fsdp_step, batch
+
+
+def fsdp_loop_without_out_shardings(directory: str) -> None:
+    from jax.sharding import PartitionSpec as P
+
+    model, optimizer, step, batch = fsdp_mlp()
+    snaps = {}
     with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
         mngr.prepare(optimizer, model)
         for t in range(2 * INTERVAL + 1):
-            data = np.random.default_rng([1, t]).standard_normal((4, 12), dtype=np.float32)
-            step(model, optimizer, jax.device_put(data[:, :8], batch), jax.device_put(data[:, 8:], batch))
+            step(model, optimizer, *batch(t))
             mngr.step(optimizer)
             if mngr.should_save(t + 1):
                 snaps[t + 1] = snapshot(model, optimizer)
@@ -223,7 +233,40 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
             bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
 
 
+def fsdp_loop_compiled_ahead(directory: str) -> None:
+    import threading
+
+    from jax import monitoring
+
+    compiles = []  # the thread of every compile of the step
+    monitoring.register_event_duration_secs_listener(
+        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
+        if name == "/jax/core/compile/backend_compile_duration" and "fsdp_step" in fun_name else None)
+    model, optimizer, step, batch = fsdp_mlp()
+    with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
+        mngr.prepare(optimizer, model)
+        compiling = mngr.compile_ahead(step, model, optimizer, *batch(0))
+        step(model, optimizer, *batch(0))
+        mngr.step(optimizer)
+        compiling.join()
+        for t in range(1, 2 * INTERVAL + 1):
+            step(model, optimizer, *batch(t))
+            mngr.step(optimizer)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8]
+    # The user's own program compiles twice (the second call's inputs are placed otherwise),
+    # the two window variants once each, ahead, for the inputs the windows have.
+    main = threading.main_thread().name
+    assert compiles.count(main) == 2 and compiles.count("overlap-ckpt-compile-ahead") == 2, compiles
+
+
 def test_a_step_that_shards_a_replicated_leaf_is_checkpointed_exactly(tmp_path):
     """The window is planned on the state as the step places it (the replay failed with
     "add got incompatible shapes (8,), (16,)" when planned on the state at prepare)."""
     run_in_subprocess(__file__, "fsdp_loop_without_out_shardings", str(tmp_path), devices=2)
+
+
+def test_compile_ahead_compiles_the_variants_for_the_state_as_the_first_step_placed_it(tmp_path):
+    """As with Linen: the model and optimizer as the first step left them, not as they were
+    given to compile_ahead."""
+    run_in_subprocess(__file__, "fsdp_loop_compiled_ahead", str(tmp_path), devices=2)
