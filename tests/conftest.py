@@ -150,3 +150,18 @@ def run_in_subprocess(test_file: str, function: str, *args, devices: int = 1) ->
             f"from {module} import {function}\n{function}(*{args!r})\nprint('returned')\n")
     proc = run_python(code, devices=devices)
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("returned"), (proc.returncode, proc.stderr[-3000:])
+
+
+def compile_threads(name: str) -> list[str]:
+    """A list that receives the thread name of every backend compile, from now on, of a
+    jitted function whose name contains ``name`` (``"jit(step)"``). The listener stays for
+    the process: give each test's step a name of its own."""
+    import threading
+
+    from jax import monitoring
+
+    threads: list[str] = []
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, fun_name="", **kw: threads.append(threading.current_thread().name)
+        if event == "/jax/core/compile/backend_compile_duration" and name in fun_name else None)
+    return threads

@@ -17,7 +17,7 @@ import pytest
 from flax.training import train_state as flax_train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import run_in_subprocess
+from conftest import compile_threads, run_in_subprocess
 
 from overlap_ckpt.doors.linen import TrainState
 from overlap_ckpt.manager import CheckpointManager
@@ -209,12 +209,7 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
 def fsdp_loop_compiled_ahead(directory: str) -> None:
     import threading
 
-    from jax import monitoring
-
-    compiles = []  # the thread of every compile of the step
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(fsdp_step)" else None)
+    compiles = compile_threads("jit(fsdp_step)")  # the thread of every compile of the step
     params, step, batch = fsdp_mlp()
     with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
         state = mngr.prepare(TrainState.create(apply_fn=None, params=params, tx=optax.adam(1e-2)))

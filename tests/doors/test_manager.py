@@ -17,6 +17,8 @@ from overlap_ckpt.doors.linen import TrainState
 from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.storage import CheckpointStore
 
+from conftest import compile_threads
+
 
 def make_state():
     params = {"w": jnp.arange(12, dtype=jnp.float32).reshape(4, 3) / 10, "b": jnp.zeros(3)}
@@ -146,12 +148,7 @@ def test_train_step_compiles_once_per_window_phase(tmp_path):
 def test_compile_ahead_moves_window_compiles_off_the_training_thread(tmp_path):
     """With compile_ahead, the training thread compiles only the user's own program: the
     window variants are compiled in the background while plain steps run."""
-    from jax import monitoring
-
-    compiles = []  # (thread, what) of every compile of this test's step
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(ahead_step)" else None)
+    compiles = compile_threads("jit(ahead_step)")  # the thread of every compile of this test's step
 
     @functools.partial(jax.jit, donate_argnums=0)
     def ahead_step(state, x):  # a step of its own: nothing compiled by other tests
@@ -176,14 +173,9 @@ def test_compile_ahead_with_skip_also_compiles_the_variants_of_a_skipped_window(
     variant that copies nothing (the trajectory stays that of the schedule). compile_ahead
     compiles those too: a skip happens when the host is already under pressure, the worst
     moment for a compile of the whole step on the training thread."""
-    from jax import monitoring
-
     from overlap_ckpt.storage import hooks
 
-    compiles = []  # the thread of every compile of this test's step
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(skipped_step)" else None)
+    compiles = compile_threads("jit(skipped_step)")  # the thread of every compile of this test's step
 
     @functools.partial(jax.jit, donate_argnums=0)
     def skipped_step(state, x):  # a step of its own: nothing compiled by other tests
@@ -217,12 +209,7 @@ def test_compile_ahead_with_skip_also_compiles_the_variants_of_a_skipped_window(
 def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path):
     """The host replay's programs compile on the compile-ahead thread too, not on the replay
     thread at the first window (where XLA's working memory added to the window's own)."""
-    from jax import monitoring
-
-    replay_compiles = []  # the thread of every compile of the replay's program
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: replay_compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and fun_name == "jit(run)" else None)
+    replay_compiles = compile_threads("jit(run)")  # the thread of every compile of the replay's program
 
     @functools.partial(jax.jit, donate_argnums=0)
     def replayed_step(state, x):

@@ -13,7 +13,7 @@ from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn
 from overlap_ckpt.doors.nnx import Optimizer, to_plain
 
-from conftest import run_in_subprocess
+from conftest import compile_threads, run_in_subprocess
 
 CFG = LMConfig.preset("tiny", vocab_size=64, d_model=16, n_layers=1, n_heads=2, d_ff=32, seq_len=8)
 DATA = SyntheticTokens(CFG.vocab_size, CFG.seq_len, batch_size=2, seed=0)
@@ -109,12 +109,7 @@ def test_compile_ahead_of_an_nnx_jit_step_compiles_every_window_variant_off_the_
     training thread compiles only the user's own program."""
     import threading
 
-    from jax import monitoring
-
-    compiles = []
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and "nnx_ahead_step" in fun_name else None)
+    compiles = compile_threads("nnx_ahead_step")
 
     @nnx.jit(donate_argnums=(0, 1))
     def nnx_ahead_step(model, optimizer, batch):  # a step of its own: nothing compiled elsewhere
@@ -236,12 +231,7 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
 def fsdp_loop_compiled_ahead(directory: str) -> None:
     import threading
 
-    from jax import monitoring
-
-    compiles = []  # the thread of every compile of the step
-    monitoring.register_event_duration_secs_listener(
-        lambda name, secs, fun_name="", **kw: compiles.append(threading.current_thread().name)
-        if name == "/jax/core/compile/backend_compile_duration" and "fsdp_step" in fun_name else None)
+    compiles = compile_threads("fsdp_step")  # the thread of every compile of the step
     model, optimizer, step, batch = fsdp_mlp()
     with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
         mngr.prepare(optimizer, model)
