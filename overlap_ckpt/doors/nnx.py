@@ -45,7 +45,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import optax
 from flax import nnx
 
 from ..core import backend
