@@ -197,8 +197,8 @@ class CapturePlan:
                     return Mismatch(f"{name}{jax.tree_util.keystr(path)} is {np.shape(x)}/{x.dtype}, "
                                     f"planned {layout.shape}/{layout.dtype}")
                 planned = next(placements, None)
-                if isinstance(x, jax.Array) and planned is not None \
-                        and not x.sharding.is_equivalent_to(planned, x.ndim):
+                if isinstance(x, jax.Array) and planned is not None and x.sharding != planned \
+                        and not x.sharding.is_equivalent_to(planned, x.ndim):  # == first: 10x cheaper
                     return Mismatch(f"{name}{jax.tree_util.keystr(path)} is placed as "
                                     f"{_placement(x.sharding)}, planned {_placement(planned)}", moved=True)
         return None
