@@ -356,7 +356,7 @@ class OverlapEngine:
             try:
                 if ticket.phase == 0:
                     if window is not None:
-                        self._abort(window, f"the window of step {version} started before it ended. "
+                        self._abort(window, f"the window of step {version} started before this one ended. "
                                             f"{UNREPORTED_STEP}", failed=True)
                     window = WindowReplay(ticket.plan, self._pool.acquire(ticket.plan), version, item.programs)
                 if window is None or window.plan != ticket.plan or window.version != version:
