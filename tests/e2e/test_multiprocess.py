@@ -220,3 +220,16 @@ def test_sigkill_one_process_mid_checkpoint_then_resume_both(tmp_path, refs, run
     assert all(rc == 0 for rc, _ in resumed), [tail(o) for _, o in resumed]
     assert json.loads((tmp_path / "result_0.json").read_text())["start"] == steps[-1]
     check_steps(tmp_path / "ckpt", refs, [3, 6, 9, 12, 15])
+
+
+def test_a_step_that_shards_a_replicated_leaf_is_checkpointed_exactly_on_every_process(tmp_path):
+    """Two processes, a jit without out_shardings that shards the replicated biases after
+    the first step (tests/e2e/mp_placement_worker.py): every checkpoint equals each
+    process's synchronous shards. Planned on the state at prepare, process 0 discarded
+    every window ("covers 8 of the 16 elements") and process 1 failed in the replay."""
+    port = free_port()
+    worker = os.path.join(HERE, "mp_placement_worker.py")
+    results = run_processes([[sys.executable, worker, "--pid", str(pid), "--port", str(port),
+                              "--dir", str(tmp_path / "ckpt")] for pid in range(2)], tmp_path, "placement")
+    for pid, (code, out) in enumerate(results):
+        assert code == 0 and f"PLACEMENT-OK {pid}" in out, out[-3000:]
