@@ -130,6 +130,7 @@ class CheckpointManager:
         self._failures: list[CheckpointFailure] = []
         self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
         self._ahead_live: tuple | None = None  # its NNX objects and state positions, until the first step
+        self._first_job: tuple | None = None  # what compiles ahead, as the first step left it
         self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
         self._stepped = threading.Event()  # set once step() has seen a trained state
         self._ahead_error: BaseException | None = None  # a window variant that failed to compile
@@ -186,6 +187,7 @@ class CheckpointManager:
         self._raise_failures()
         if not self._stepped.is_set():  # a lock-free read: the hot path pays no Condition
             self._follow_the_first_step(state)
+            self._first_job = self._ahead_job() if self._ahead is not None else None
             self._stepped.set()
         if self._ahead_error is not None:
             error, self._ahead_error = self._ahead_error, None
@@ -273,20 +275,32 @@ class CheckpointManager:
         self.window_prediction = predicted
         self._use_window(predicted.k, state)
 
+    def _ahead_job(self) -> tuple:
+        """``(step_fn, args, kwargs, plan, tickets)`` to compile ahead, read on the training
+        thread: a later step may re-plan (``window="auto"``) while the compile thread runs,
+        and the engine has no plan for a moment then."""
+        step_fn, args, kwargs = self._ahead
+        plan = self.engine.plan
+        tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+        if self._budget.on_full == "skip":
+            # A skipped window's steps run variants that copy nothing; a skip comes when the
+            # host is already short of memory, the worst moment for a compile on the
+            # training thread. ("wait" never runs them for lack of memory.)
+            tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
+        return step_fn, args, kwargs, plan, tickets
+
     def _compile_ahead(self) -> threading.Thread:
         first_step = self._stepped
+        # Before the first step, what to compile is read when it has run, as it left the
+        # state (step() sets _first_job, then first_step).
+        job = self._ahead_job() if first_step.is_set() else None
 
         def run() -> None:
             first_step.wait()  # the user's own program is compiled (and its memory freed)
-            # Read after the first step, which may have planned again (_follow_the_first_step).
-            step_fn, args, kwargs = self._ahead
-            plan = self.engine.plan
-            tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
-            if self._budget.on_full == "skip":
-                # A skipped window's steps run variants that copy nothing; a skip comes when
-                # the host is already short of memory, the worst moment for a compile on the
-                # training thread. ("wait" never runs them for lack of memory.)
-                tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
+            picked = job or self._first_job
+            if picked is None:  # closed before the first step
+                return
+            step_fn, args, kwargs, plan, tickets = picked
             try:
                 for ticket in tickets:
                     if self._closed:
@@ -297,7 +311,7 @@ class CheckpointManager:
                     # arenas: measured on the 20M LM, K=3, 1.3x the state stayed resident
                     # after the variants compiled, until the process ended.
                     trim_host_memory()
-                self.engine.compile_replay()
+                self.engine.compile_replay(plan)
             except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
                 self._ahead_error = e
 

@@ -263,12 +263,18 @@ class OverlapEngine:
             programs.rehearse()
         self._programs = {plan: programs}  # phases in flight hold their own reference
 
-    def compile_replay(self) -> None:
-        """Compile the current plan's host replay programs now (see
-        :meth:`ReplayPrograms.compile`) and give the compiler's working memory back."""
-        if self.plan is None:
+    def compile_replay(self, plan: CapturePlan | None = None) -> None:
+        """Compile the host replay programs of ``plan`` (default: the current one) now (see
+        :meth:`ReplayPrograms.compile`) and give the compiler's working memory back. A plan
+        replaced meanwhile (the training thread re-planned) is not compiled: no window will
+        replay it."""
+        plan = plan or self.plan
+        if plan is None:
             raise RuntimeError("OverlapEngine.compile_replay: no plan yet (call plan_for first)")
-        self._programs[self.plan].compile()
+        programs = self._programs.get(plan)
+        if programs is None:
+            return
+        programs.compile()
         trim_host_memory()
 
     def submit(self, step: int, outbox: Outbox, metadata: dict | None = None) -> bool:

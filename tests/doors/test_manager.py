@@ -206,6 +206,47 @@ def test_compile_ahead_with_skip_also_compiles_the_variants_of_a_skipped_window(
     assert compiles.count(threading.main_thread().name) == 1, compiles  # the user's own program only
 
 
+def test_compile_ahead_takes_what_to_compile_from_the_training_thread(tmp_path):
+    """The compile thread read the engine's plan itself once the first step had run. When
+    window="auto" re-planned at that moment (the plan is None between set_window and
+    plan_for), the thread died with an AttributeError (seen in CI). The thread is held
+    here between its wake-up and its work, while the plan is away."""
+    class HeldEvent(threading.Event):
+        def __init__(self):
+            super().__init__()
+            self.release = threading.Event()
+
+        def wait(self, timeout=None):
+            woke = super().wait(timeout)
+            self.release.wait(60)
+            return woke
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def held_step(state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.cosh(x @ p["w"] + p["b"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    errors = []
+    hook, threading.excepthook = threading.excepthook, lambda args: errors.append(args.exc_value)
+    try:
+        with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
+            state = mngr.prepare(make_state())
+            mngr._stepped = held = HeldEvent()  # the event the compile thread waits on
+            compiling = mngr.compile_ahead(held_step, state, batch(0))
+            state = mngr.step(held_step(state, batch(0)))
+            plan, mngr.engine.plan = mngr.engine.plan, None  # as a re-plan leaves it for a moment
+            held.release.set()
+            compiling.join()
+            mngr.engine.plan = plan
+            assert errors == [] and mngr._ahead_error is None, (errors, mngr._ahead_error)
+            for t in range(1, 9):
+                state = mngr.step(held_step(state, batch(t)))
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [4, 8]
+    finally:
+        threading.excepthook = hook
+
+
 def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path):
     """The host replay's programs compile on the compile-ahead thread too, not on the replay
     thread at the first window (where XLA's working memory added to the window's own)."""
