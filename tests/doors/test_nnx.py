@@ -260,3 +260,45 @@ def test_compile_ahead_compiles_the_variants_for_the_state_as_the_first_step_pla
     """As with Linen: the model and optimizer as the first step left them, not as they were
     given to compile_ahead."""
     run_in_subprocess(__file__, "fsdp_loop_compiled_ahead", str(tmp_path), devices=2)
+
+
+def functional_fsdp_loop(directory: str) -> None:
+    """The functional style (``nnx.split`` once, ``jax.jit`` over the ``nnx.State``) on the
+    same FSDP model: checkpoints bitwise, the window variants compiled ahead for the state
+    as the first step placed it."""
+    import functools
+    import threading
+
+    compiles = compile_threads("functional_step")
+    model, optimizer, _, batch = fsdp_mlp()
+
+    @functools.partial(jax.jit, donate_argnums=1)  # no out_shardings
+    def functional_step(graphdef, state, x, y):
+        model, optimizer = nnx.merge(graphdef, state)
+        grads = nnx.grad(lambda m: jax.numpy.mean((m(x) - y) ** 2))(model)
+        optimizer.update(model, grads)
+        return nnx.state((model, optimizer))
+
+    snaps = {}
+    with CheckpointManager(directory, save_interval_steps=INTERVAL, window=2) as mngr:
+        graphdef, state = nnx.split((model, optimizer))
+        state = mngr.prepare(state, graphdef=graphdef)
+        compiling = mngr.compile_ahead(functional_step, graphdef, state, *batch(0))
+        state = mngr.step(functional_step(graphdef, state, *batch(0)))
+        compiling.join()
+        for t in range(1, 2 * INTERVAL + 1):
+            state = mngr.step(functional_step(graphdef, state, *batch(t)))
+            if mngr.should_save(t + 1):
+                snaps[t + 1] = snapshot(*nnx.merge(graphdef, state))
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8] and not mngr.failed_steps()
+        for v in (4, 8):
+            raw, _ = mngr.store.restore(v)
+            bitwise_equal(raw["params"], snaps[v]["params"])
+            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+    main = threading.main_thread().name
+    assert compiles.count(main) == 2 and compiles.count("overlap-ckpt-compile-ahead") == 2, compiles
+
+
+def test_functional_style_on_a_step_that_shards_a_replicated_leaf(tmp_path):
+    run_in_subprocess(__file__, "functional_fsdp_loop", str(tmp_path), devices=2)
