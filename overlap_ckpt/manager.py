@@ -249,11 +249,10 @@ class CheckpointManager:
         live, self._ahead_live = self._ahead_live, None
         if live is None or self._door is None:
             return
+        planned = self.engine.plan
         parts = self._door.parts(state)
-        mismatch = self.engine.plan.matches(parts.params, parts.opt_state, parts.extras)
-        if mismatch is None or not mismatch.moved:
+        if self.engine.plan_for(parts.params, parts.opt_state, parts.extras) is planned:
             return
-        self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
         step_fn, args, kwargs = self._ahead
         self._ahead = (step_fn, after_the_step(args, *live, state), kwargs)
 

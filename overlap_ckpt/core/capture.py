@@ -54,10 +54,10 @@ class WindowTicket:
     plan: CapturePlan
     phase: int
     capture: bool = True  # False: run the window's update, copy nothing (a skipped window)
-    # Unit axes put in front of every host copy beyond what the plan's own leaves need (see
-    # :func:`to_host`); set at trace time when several states are in windows in one step
-    # (window_context.ticket_for). Not part of the ticket's identity: the manager matches
-    # the outbox against the ticket it sent.
+    # Unit axes put in front of every host copy (see :func:`to_host`): set at trace time by
+    # window_context.ticket_for to cover every state in a window in that step; 0 (the
+    # functional core's tickets): what the plan's own leaves need. Not part of the ticket's
+    # identity: the manager matches the outbox against the ticket it sent.
     lead_axes: int = dataclasses.field(default=0, compare=False)
 
     def __post_init__(self) -> None:
