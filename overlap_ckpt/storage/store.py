@@ -473,7 +473,7 @@ class CheckpointStore:
             removed = True
             if self._coord.is_primary():
                 try:
-                    commit.delete_incomplete(self.location, p.step)
+                    removed = commit.delete_failed(self.location, p.step)
                 except Exception:  # noqa: BLE001
                     removed = False
                     log.exception("Removing the partial step %d failed; the next save retries.", p.step)

@@ -9,6 +9,7 @@ import shutil
 import subprocess
 import sys
 import textwrap
+import threading
 import time
 from pathlib import Path
 
@@ -121,6 +122,36 @@ def test_error_raised_by_next_save_which_is_not_queued(saved, hook):
     saved.save(3, tree(3))  # training goes on: the retry works
     saved.wait_until_finished()
     assert saved.all_steps() == [1, 3]
+
+
+def test_a_write_in_flight_that_recreates_the_failed_step_is_removed_too(saved, hook, tmp_path):
+    """A data-file write already in flight when the step failed lands after its partial
+    directory was deleted and recreates it (seen with a full tmpfs, 3 of 40 runs): the
+    store must remove it again before it reports the step's partial directory removed."""
+    tmp_dir = tmp_path / "ck" / "2.orbax-checkpoint-tmp"
+
+    def land_after_the_deletion():
+        deadline = time.monotonic() + 30
+        while tmp_dir.exists() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        late = tmp_dir / "default" / "ocdbt.process_0" / "d"
+        late.mkdir(parents=True)  # as tensorstore's file driver makes a write's parents
+        (late / "straggler").write_bytes(b"x" * 4096)
+
+    straggler = threading.Thread(target=land_after_the_deletion)
+
+    def fail(st, info):
+        if st == "data_written" and info["step"] == 2:
+            straggler.start()
+            raise OSError(errno.EIO, "Input/output error")
+
+    hook(fail)
+    saved.save(2, tree(2))
+    with pytest.raises(CheckpointWriteError, match="partial step was removed"):
+        saved.wait_until_finished()
+    straggler.join()
+    assert (tmp_path / "ck").exists() and saved.incomplete_steps() == [] and not tmp_dir.exists()
+    assert saved.all_steps() == [1]
 
 
 # Runs in its own user + mount namespace (``unshare -rm``), where any user may mount a
