@@ -81,17 +81,45 @@ class HostShard:
         return int(self.data.nbytes)
 
 
+def _containing(blocks: Sequence[Index], index: Index) -> int:
+    for i, block in enumerate(blocks):
+        if all(b.start <= s.start and s.stop <= b.stop for b, s in zip(block, index)):
+            return i
+    raise ValueError(f"shard {index} lies in none of the blocks {list(blocks)}")
+
+
 @dataclasses.dataclass
 class HostArray:
     """The addressable part of a global array, held in host memory.
 
     ``shards`` hold distinct blocks (replicas are deduplicated at capture time), so a
     writer can persist them independently and a reader can reassemble the array.
+
+    ``blocks``, when given, are the blocks of the array's layout that the shards tile, each
+    by one shard or by several *parts* (the host replay keeps a leaf as the row ranges of
+    its calls' outputs). Storage chooses chunks from the blocks, not the parts: chunks
+    that tile the parts would shrink to the rows' greatest common divisor.
     """
 
     shape: tuple[int, ...]
     dtype: np.dtype
     shards: list[HostShard]
+    blocks: tuple[Index, ...] | None = None
+
+    @property
+    def layout_indices(self) -> list[Index]:
+        """The indices storage tiles: the layout's blocks where known, else the shards'."""
+        return list(self.blocks) if self.blocks is not None else [s.index for s in self.shards]
+
+    def shards_by_block(self) -> list[list[HostShard]]:
+        """The shards grouped by the layout block that holds them (one group per shard
+        without ``blocks``), so that a writer keeps the parts of one block together."""
+        if self.blocks is None:
+            return [[s] for s in self.shards]
+        groups: list[list[HostShard]] = [[] for _ in self.blocks]
+        for shard in self.shards:
+            groups[_containing(self.blocks, shard.index)].append(shard)
+        return [g for g in groups if g]
 
     @classmethod
     def from_numpy(cls, array: np.ndarray) -> "HostArray":

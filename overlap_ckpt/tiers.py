@@ -453,7 +453,7 @@ def _blocks_of(tree: Any) -> tuple[Any, list[_PutLeaf]]:
         kind = "host" if isinstance(leaf, HostArray) else \
             "scalar" if isinstance(leaf, (bool, int, float, complex)) else "numpy"
         leaves.append(_PutLeaf(kind, ".".join(key_name_and_type(k)[0] for k in path), host.shape, host.dtype,
-                               tuple(index_key(s.index) for s in host.shards)))
+                               tuple(index_key(index) for index in host.layout_indices)))
     return treedef, leaves
 
 

@@ -5,7 +5,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from overlap_ckpt.hostarray import (HostArray, covers, extent, index_from_key, index_key, local_blocks,
+from overlap_ckpt.hostarray import (HostArray, HostShard, covers, extent, index_from_key, index_key, local_blocks,
                                     normalize_index)
 
 
@@ -26,3 +26,16 @@ def test_from_jax_copies_or_views_and_refuses_typed_keys():
     assert [index for index, _ in local_blocks(x)] == [(slice(0, 2), slice(0, 3))]
     with pytest.raises(TypeError, match="key_data"):
         HostArray.from_jax(jax.random.key(0), copy=True, where="rng")
+
+
+def test_parts_are_grouped_by_the_block_that_holds_them():
+    """A writer keeps the parts of one block in one transaction (a chunk two parts share is
+    then written once): the groups follow the layout's blocks, whatever the parts' order."""
+    full = np.arange(40, dtype=np.float32).reshape(8, 5)
+    rows = [(4, 6), (0, 3), (6, 8), (3, 4)]
+    parts = [HostShard((slice(a, b), slice(0, 5)), full[a:b]) for a, b in rows]
+    blocks = ((slice(0, 4), slice(0, 5)), (slice(4, 8), slice(0, 5)))
+    groups = HostArray((8, 5), np.dtype(np.float32), parts, blocks).shards_by_block()
+    assert [[s.index[0].start for s in g] for g in groups] == [[0, 3], [4, 6]]
+    alone = HostArray((8, 5), np.dtype(np.float32), parts).shards_by_block()  # no blocks: each shard is one
+    assert [[s.index[0].start for s in g] for g in alone] == [[4], [0], [6], [3]]

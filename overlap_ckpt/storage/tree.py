@@ -154,10 +154,29 @@ def _checked(host: HostArray, where: str) -> HostArray:
             raise ValueError(f"{where}: shard {index} holds {data.shape} {data.dtype}, expected "
                              f"{extent(index)} {dtype} for a HostArray of shape {shape}.")
         shards.append(HostShard(index, data))
-    return HostArray(shape, dtype, shards)
+    blocks = None if host.blocks is None else tuple(normalize_index(b, shape) for b in host.blocks)
+    return HostArray(shape, dtype, shards, blocks)
 
 
 # -- chunking ---------------------------------------------------------------------------
+
+def chunk_shape_for(host: HostArray, chunk_bytes: int) -> tuple[int, ...]:
+    """The chunk shape of ``host``: tiling its shards, or, for a leaf handed over in parts
+    of its blocks (the host replay's calls' rows), tiling the parts when their common grid
+    gives chunks at least 1/8 of what the blocks' would, else tiling the blocks.
+
+    Why: TensorStore writes a chunk that one part covers straight from the host copy, but
+    assembles a chunk that several parts share in a copy it holds until the commit (the
+    replay cuts its parts at coarse rows to allow this, see
+    :func:`overlap_ckpt.core.plan.part_rows`). Parts cut at any row would otherwise give
+    chunks of their rows' greatest common divisor, down to one row."""
+    itemsize = host.dtype.itemsize
+    by_parts = choose_chunk_shape(host.shape, itemsize, [s.index for s in host.shards], chunk_bytes)
+    if host.blocks is None:
+        return by_parts
+    by_blocks = choose_chunk_shape(host.shape, itemsize, host.blocks, chunk_bytes)
+    return by_parts if 8 * math.prod(by_parts) >= math.prod(by_blocks) else by_blocks
+
 
 def choose_chunk_shape(shape: Sequence[int], itemsize: int, shard_indices: Sequence[Sequence[slice]],
                        target_bytes: int) -> tuple[int, ...]:

@@ -29,7 +29,7 @@ import tensorstore as ts
 from ..hostarray import HostArray
 from . import hooks, layout
 from .location import Location
-from .tree import Leaf, choose_chunk_shape
+from .tree import Leaf, chunk_shape_for
 
 OCDBT_CONFIG = {
     # zarr.json metadata is stored inline in B-tree nodes, array chunks in data files.
@@ -68,8 +68,7 @@ def prepare_arrays(leaves: Sequence[Leaf], chunk_bytes: int) -> list[ArrayWrite]
         names.add(name)
         host = leaf.value
         layout.zarr_dtype(host.dtype)  # TypeError for dtypes zarr3/TensorStore cannot store
-        chunk = choose_chunk_shape(host.shape, host.dtype.itemsize, [s.index for s in host.shards],
-                                   chunk_bytes)
+        chunk = chunk_shape_for(host, chunk_bytes)
         arrays.append(ArrayWrite(name, host, chunk))
     return arrays
 
@@ -183,11 +182,14 @@ def write_process_shards(location: Location, item_rel: str, process_index: int,
         open_txn, staged, writes, first_batch = txn, 0, [], True
         for a, store in zip(arrays, stores):
             hooks.fire("array_write", step=step, array=a.name)
-            for shard in a.host.shards:
+            # The parts of one block go in one transaction: a chunk they share is then
+            # written once, not read back and rewritten by a later commit.
+            for parts in a.host.shards_by_block():
                 bound = store if txn is open_txn else store.with_transaction(txn)
-                target = bound[shard.index] if shard.index else bound
-                writes.append(target.write(shard.data, can_reference_source_data_indefinitely=True))
-                staged += shard.nbytes
+                for shard in parts:
+                    target = bound[shard.index] if shard.index else bound
+                    writes.append(target.write(shard.data, can_reference_source_data_indefinitely=True))
+                    staged += shard.nbytes
                 if staged >= batch_bytes:
                     commits.append(_commit(txn, writes))
                     if first_batch:  # later batches rely on the committed zarr.json

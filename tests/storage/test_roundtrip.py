@@ -121,6 +121,24 @@ def test_jax_arrays_and_sharded_host_arrays(tmp_path):
         assert report.ok and report.steps[0].chunks > 2, str(report)
 
 
+@pytest.mark.parametrize("cut, chunks", [(7, 1), (256, 2)])
+def test_parts_of_a_block_are_chunked_by_their_grid_only_when_coarse(tmp_path, cut, chunks):
+    """The host replay hands over a leaf as row parts of its blocks (its calls' outputs).
+    Cut at coarse rows (as it cuts large leaves), chunks tile the parts, so that TensorStore
+    writes each from one part without a copy; cut at any row, chunks follow the blocks, not
+    the parts' grid (here one row per chunk)."""
+    full = np.arange(512 * 8, dtype=np.float32).reshape(512, 8)
+    parts = [HostShard((slice(0, cut), slice(0, 8)), full[:cut]), HostShard((slice(cut, 512), slice(0, 8)), full[cut:])]
+    tree = {"h": HostArray((512, 8), np.dtype(np.float32), parts, blocks=((slice(0, 512), slice(0, 8)),))}
+    with CheckpointStore(tmp_path) as store:
+        store.save(0, tree)
+        store.wait_until_finished()
+        back, _ = store.restore()
+        assert bitwise_equal(back["h"], full)
+        report = store.verify(0)
+        assert report.ok and report.steps[0].chunks == chunks, str(report)
+
+
 def test_save_is_non_blocking_and_buffers_are_referenced(tmp_path):
     """save() returns while the persist is held at its first stage: the hook has not been
     released when save() is back (a blocking save would wait for the gate to time out)."""
