@@ -70,12 +70,37 @@ def toy_loss(params, x):
     return sum(jnp.sum(jnp.sin(v.astype(jnp.float32) * x) ** 2) for v in jax.tree.leaves(params))
 
 
+class CopyingSink:
+    """Persists synchronously (by copying), so nothing is ever pending and the engine may
+    reuse every host copy. Records where each shard of each put lay, and whether it was
+    writeable: ``addresses[i][(key path, index key)] = (address, writeable)``."""
+
+    def __init__(self):
+        self.saved = {}
+        self.addresses = []
+
+    def put(self, step, tree, metadata=None):
+        from overlap_ckpt.hostarray import index_key
+
+        leaves = jax.tree_util.tree_leaves_with_path(tree, is_leaf=lambda x: isinstance(x, HostArray))
+        self.addresses.append({(jax.tree_util.keystr(path), index_key(s.index)): (s.data.ctypes.data,
+                                                                                  s.data.flags.writeable)
+                               for path, leaf in leaves for s in leaf.shards})
+        self.saved[step] = (jax.tree.map(lambda h: HostArray.from_numpy(h.to_numpy().copy()), tree,
+                                         is_leaf=lambda x: isinstance(x, HostArray)), metadata)
+
+    def busy_steps(self):
+        return []
+
+
 def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None,
-             shard_state=False, before_step=None):
+             shard_state=False, before_step=None, sink=None):
     """Train ``steps`` steps with a donating jitted step that captures in-graph.
 
-    ``before_step(t, engine, params, opt_state)``, if given, runs before step ``t`` and may
-    return a new ``(params, opt_state)`` (e.g. a tree change mid-window), or None.
+    ``sink``: where checkpoints go (default: a :class:`MemorySink`, which keeps every copy,
+    so the engine never reuses one). ``before_step(t, engine, params, opt_state)``, if
+    given, runs before step ``t`` and may return a new ``(params, opt_state)`` (e.g. a tree
+    change mid-window), or None.
     Returns (engine, sink, references) where references[V] is a synchronous
     ``jax.device_get`` of (params, opt_state) at version V.
     """
@@ -93,7 +118,7 @@ def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves
             opt_state = optax.tree_utils.tree_map_params(
                 tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
                 transform_non_params=lambda s: jax.device_put(s, replicated))
-    sink = MemorySink()
+    sink = MemorySink() if sink is None else sink
     engine = OverlapEngine(tx, sink, interval=interval, window=window, chunk_leaves=chunk_leaves)
     engine.plan_for(params, opt_state, {"step": jnp.int32(0)})
 

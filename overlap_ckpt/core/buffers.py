@@ -35,7 +35,9 @@ class LeafBlocks:
     *adopted*: a read-only view of a captured host array that no replay will write (the
     last slice of a window, shared leaves and extras at the last phase). Adopting hands
     the captured copy to storage as is, saving one full copy of it; with K=1 no block is
-    ever copied.
+    ever copied. With row chunks an adopted view may be a part of a block (the last
+    slice's rows of a leaf cut between slices): the other rows are replay outputs (see
+    :class:`overlap_ckpt.core.replay.WindowReplay`), and no block is owned.
     """
 
     def __init__(self, layout: LeafLayout):
@@ -54,12 +56,14 @@ class LeafBlocks:
         return block
 
     def adopt(self, key: BlockKey, data: np.ndarray) -> None:
+        """Keep ``data``, the captured values at global index ``key`` (a block or rows of one)."""
         self._adopted[key] = data
 
-    def current(self) -> dict[BlockKey, np.ndarray]:
-        """Every block as it holds now (adopted views where adopted)."""
-        return {key: self._adopted.get(key) if key in self._adopted else self[key]
-                for key in map(index_key, self.layout.blocks)}
+    def parts(self) -> list[HostShard]:
+        """What this copy holds of the leaf: the adopted views, and the owned blocks not
+        adopted in this window (a block adopted now may have been copied in an earlier one)."""
+        owned = [(key, data) for key, data in self._owned.items() if key not in self._adopted]
+        return [HostShard(index_from_key(key), data) for key, data in (*owned, *self._adopted.items())]
 
     def release_views(self) -> int:
         """Drop the adopted views; returns their bytes."""
@@ -77,13 +81,21 @@ class LeafBlocks:
 
 
 class HostBuffers:
-    """One host copy of a train state: every block this process keeps (see :class:`LeafBlocks`)."""
+    """One host copy of a train state: every block this process keeps (see :class:`LeafBlocks`)
+    and, with row chunks, the outputs of the replay calls, which hold the replayed rows.
+
+    ``calls`` maps each replay call (slice, call number) to the output arrays of its last
+    run: the replay donates them to the same call at the next phase, which then runs in
+    place, and a later window's first run of that call writes into them again (the copy
+    is reused through :class:`overlap_ckpt.core.engine.BufferPool`).
+    """
 
     def __init__(self, plan: CapturePlan):
         self.plan = plan
         self.params = [LeafBlocks(l) for l in plan.params]
         self.state = [LeafBlocks(l) for l in plan.state]
         self.extras = [LeafBlocks(l) for l in plan.extras]
+        self.calls: dict[tuple[int, int], list[jax.Array]] = {}
 
     def leaves(self):
         return (*self.params, *self.state, *self.extras)
@@ -95,7 +107,9 @@ class HostBuffers:
 
     @property
     def nbytes(self) -> int:
-        return sum(leaf.owned_bytes for leaf in self.leaves())
+        """Host memory this copy owns: its blocks and its replay calls' outputs."""
+        return (sum(leaf.owned_bytes for leaf in self.leaves())
+                + sum(x.nbytes for outs in self.calls.values() for x in outs))
 
     @property
     def adopted_bytes(self) -> int:
@@ -150,9 +164,17 @@ def _load_libc():
 _LIBC = _load_libc()
 
 
-def host_array(blocks: LeafBlocks) -> HostArray:
-    shards = [HostShard(index_from_key(key), data) for key, data in blocks.current().items()]
-    return HostArray(blocks.layout.shape, blocks.layout.dtype, shards)
+def host_array(blocks: LeafBlocks, replayed: list[HostShard] = ()) -> HostArray:
+    """The leaf as storage takes it: the blocks' parts and the ``replayed`` rows, which must
+    tile this process's blocks exactly (a gap would be saved as zeros)."""
+    layout = blocks.layout
+    shards = sorted([*blocks.parts(), *replayed], key=lambda s: index_key(s.index))
+    held = sum(int(np.prod(s.data.shape)) for s in shards)
+    want = sum(int(np.prod(extent(b))) for b in layout.blocks)
+    if held != want:
+        raise WindowAborted(f"the host copy of a leaf of shape {layout.shape} holds {held} of its "
+                            f"{want} elements; a window phase is missing")
+    return HostArray(layout.shape, layout.dtype, shards, tuple(layout.blocks))
 
 
 def replicated_value(x: jax.Array, shape: tuple[int, ...]) -> np.ndarray:
@@ -175,7 +197,7 @@ def unlead(captured: jax.Array, ndim: int) -> Any:
 
 def store_piece(blocks: LeafBlocks, captured: jax.Array, piece: Piece, *, adopt: bool = False) -> None:
     """Copy a captured piece (pinned-host array) into the host blocks it belongs to; with
-    ``adopt``, a piece that is a whole block is kept as a view instead."""
+    ``adopt``, the piece is kept as views instead (whole blocks, or rows of blocks)."""
     layout = blocks.layout
     captured = unlead(captured, len(layout.shape))
     if piece.start == 0 and piece.stop == layout.rows and tuple(captured.shape) == layout.shape:
@@ -184,11 +206,22 @@ def store_piece(blocks: LeafBlocks, captured: jax.Array, piece: Piece, *, adopt:
     for shard in captured.addressable_shards:
         if shard.replica_id != 0:
             continue
-        out_index = normalize_index(shard.index, captured.shape)
-        dest = blocks[index_key(layout.block_of(out_index, piece))]
+        block = layout.block_of(normalize_index(shard.index, captured.shape), piece)
+        if adopt:
+            blocks.adopt(index_key(rows_of(block, piece)), np.asarray(shard.data))
+            continue
+        dest = blocks[index_key(block)]
         if layout.shape:
             dest = dest[piece.start:piece.stop]
         np.copyto(dest, np.asarray(shard.data), casting="no")
+
+
+def rows_of(block: tuple[slice, ...], rows: Piece) -> tuple[slice, ...]:
+    """The global index of rows ``rows.start:rows.stop`` of ``block`` (a scalar's is ())."""
+    if not block:
+        return block
+    first = block[0].start
+    return (slice(first + rows.start, first + rows.stop), *block[1:])
 
 
 def store_whole(blocks: LeafBlocks, captured: jax.Array, *, adopt: bool = False) -> None:

@@ -69,8 +69,10 @@ class MemorySink:
 class BufferPool:
     """Host copies of the state, reused across windows once the sink is done with them.
 
-    Reuse matters: copying into freshly allocated memory page-faults on every page, which
-    on a small host runs several times slower than copying into memory already touched.
+    Reuse matters: writing into freshly allocated memory page-faults on every page, which
+    on a small host runs several times slower than writing into memory already touched.
+    A copy's owned memory is its blocks and, with row chunks, its replay calls' outputs,
+    which the next window's first calls write into (:attr:`HostBuffers.calls`).
     A lent copy may also hold views of captured arrays (see :class:`LeafBlocks`); they are
     released as soon as the sink is done (:meth:`release_idle`) and their memory is given
     back to the OS, so between windows the host holds the reused blocks and nothing else.

@@ -12,13 +12,18 @@ structure keeps masks, per-leaf branches and XLA's use counts of shared scalars 
 as on the device, which is what makes the result bitwise equal on the CPU backend.
 
 Host memory (issue 20): a phase holds the host copy, its outbox until each part is used
-(the captured slice until it is copied in, each slice's gradient pieces until they are
-applied), and the replay calls' outputs, in buffers each slice reuses from call to call
-(:meth:`ReplayPrograms.run`). Replay calls are cut per slice, so the calls of
-slice ``i`` are the same at every later phase and in every window: with row chunks every
-call of a slice has the same shapes, and the replay compiles one program per slice
-(:class:`Chunk`). Each compiled program keeps several MiB of host memory, and a window
-of K=3 on a 20M LM compiled 15 of them when calls were cut per phase.
+(the captured slice until its first replay, each slice's gradient pieces until they are
+applied), and, for whole-leaf plans, one replay call's outputs. Replay calls are cut per
+slice, so the calls of slice ``i`` are the same at every later phase and in every window:
+with row chunks every call of a slice has the same shapes, and the replay compiles one
+program per slice (:class:`Chunk`). Each compiled program keeps several MiB of host
+memory, and a window of K=3 on a 20M LM compiled 15 of them when calls were cut per phase.
+
+With row chunks the host copy of the replayed slices *is* the replay calls' outputs
+(:attr:`HostBuffers.calls`): the first call over some rows reads the captured arrays in
+place, and every later call over them donates the outputs of the one before and runs in
+place. Copying the captured slice in and every output back cost 4.3x the state's bytes
+per phase against 2.3x without (the replay ran at 31-37% of a memcpy).
 """
 
 from __future__ import annotations
@@ -33,12 +38,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import WindowAborted
-from ..hostarray import index_key, normalize_index
+from ..hostarray import HostShard, index_key, normalize_index
 from . import scalars
 from .capture import Outbox
-from .buffers import MOVED, BlockKey, HostBuffers, host_array, replicated_value, store_piece, trim_host_memory, unlead
+from .buffers import (MOVED, XLA_ALIGNMENT, BlockKey, HostBuffers, host_array, replicated_value, rows_of,
+                      store_piece, trim_host_memory, unlead)
 from .interp import InterpretError, interpret
-from .plan import CapturePlan, LeafLayout
+from .plan import CapturePlan, LeafLayout, part_rows
 from .separability import blame, flat_update_fn, input_tokens
 from .slicing import Piece
 
@@ -53,9 +59,10 @@ class Chunk:
 
     Why they differ: every call of a slice takes the same number of rows of each of its
     leaves, so that one compiled program serves them all. A leaf whose rows run out before
-    the slice's last call computes its last rows again (from values already advanced) and
-    the result is dropped. That is exact only for row-separable updates, which is what a
-    chunked plan is; whole-leaf plans compute and keep whole leaves.
+    the slice's last call computes its last rows again, in its own buffers (from the
+    captured values, then from its own outputs), and those rows are not kept. That is
+    exact only for row-separable updates, which is what a chunked plan is; whole-leaf
+    plans compute and keep whole leaves.
     """
 
     rows: Piece
@@ -63,6 +70,7 @@ class Chunk:
 
 
 GradParts = dict[tuple[int, BlockKey], list[tuple[Piece, np.ndarray]]]
+CallLeaf = tuple[str, LeafLayout, Chunk]  # ("params" or "state", its layout, its rows in the call)
 
 # Why a window's steps do not line up, and what the loop must do: said wherever that is found.
 UNREPORTED_STEP = ("A step was not reported, or the state changed outside the optimizer: call "
@@ -80,8 +88,11 @@ class WindowReplay:
         self.next_phase = 0
         self.shared_after_replay: list[np.ndarray] | None = None
         self.shared: list[np.ndarray] = []
+        # Chunked plans: the captured slice of this phase as views by (leaf, block), read by
+        # the first call over each of its rows and dropped after them.
+        self._captured: dict[str, GradParts] | None = None
         self.replayed_bytes = 0  # bytes of params + owned state advanced by replay
-        self.apply_seconds = 0.0  # time in replay calls (gather, run, write back), copy-in excluded
+        self.apply_seconds = 0.0  # time in replay calls (gather, run, any write back), copy-in excluded
 
     @property
     def complete(self) -> bool:
@@ -93,14 +104,19 @@ class WindowReplay:
             raise WindowAborted(f"phase {phase} arrived where {self.next_phase} was due. {UNREPORTED_STEP}")
         last = phase == plan.k - 1
         # The outbox is the window's now: each captured array is dropped as soon as it is
-        # used (the slice once copied in, gradient pieces once applied), not at the end of
-        # the phase, so that the host never holds a slice twice while the replay runs.
+        # used (the slice once copied in, or with row chunks once its first calls have read
+        # it; gradient pieces once applied), not at the end of the phase, so that the host
+        # never holds a slice twice while the replay runs.
         captured, outbox.state = outbox.state, []
-        targets = [(blocks, piece) for p in plan.slicing.slices[phase] for blocks, piece in (
-            (self.buffers.params[p.leaf], p),
-            *((self.buffers.state[j], plan.state_piece(j, p)) for j in plan.analysis.owned_state(p.leaf)))]
-        for i, (blocks, piece) in enumerate(targets):
-            store_piece(blocks, captured[i], piece, adopt=last)
+        targets = [(kind, piece) for p in plan.slicing.slices[phase] for kind, piece in (
+            ("params", p), *(("state", plan.state_piece(j, p)) for j in plan.analysis.owned_state(p.leaf)))]
+        if plan.chunked and not last:
+            self._captured = {"params": {}, "state": {}}
+        for i, (kind, piece) in enumerate(targets):
+            if plan.chunked and not last:
+                _add_parts(self._captured[kind], getattr(plan, kind)[piece.leaf], piece, captured[i])
+            else:
+                store_piece(getattr(self.buffers, kind)[piece.leaf], captured[i], piece, adopt=last)
             captured[i] = None
         self.shared = [replicated_value(x, plan.state[j].shape)
                        for j, x in zip(plan.analysis.shared_state, outbox.shared)]
@@ -139,36 +155,64 @@ class WindowReplay:
             stop = first + len(slices[i])
             parts = self._grad_parts(slices[i], grads[first:stop])
             grads[first:stop] = [None] * (stop - first)
-            for batch in self.programs.slice_batches(i):
-                self._replay_batch(batch, parts, injected)
+            for b, batch in enumerate(self.programs.slice_batches(i)):
+                if self.plan.chunked:
+                    self._advance((i, b), batch, parts, injected, first_run=i == phase)
+                else:
+                    self._replay_batch(batch, parts, injected)
             del parts
             first = stop
+        # Until its call has run, XLA holds what a call reads: without the wait the captured
+        # slice outlived its phase (measured: a third of the state more at the next phase).
+        jax.block_until_ready(self.buffers.calls)
+        self._captured = None
         self.apply_seconds += time.perf_counter() - start
 
     def _grad_parts(self, pieces: tuple[Piece, ...], grads: list[jax.Array]) -> GradParts:
         """The captured gradient of each piece, by (leaf, host block): views, not copies."""
         parts: GradParts = {}
         for piece, g in zip(pieces, grads):
-            layout = self.plan.params[piece.leaf]
-            g = unlead(g, len(layout.shape))
-            want = (piece.stop - piece.start,) + tuple(layout.block_shape[1:]) if layout.shape else ()
-            for shard in g.addressable_shards:
-                if shard.replica_id == 0:
-                    if tuple(shard.data.shape) != want:
-                        raise WindowAborted(f"the gradient of params leaf {piece.leaf} arrived in blocks of "
-                                            f"shape {tuple(shard.data.shape)} where {want} was planned. {MOVED}")
-                    key = index_key(layout.block_of(normalize_index(shard.index, g.shape), piece))
-                    parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
+            _add_parts(parts, self.plan.params[piece.leaf], piece, g)
         return parts
 
-    def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
-        """One replay call over ``batch``, in place in the host blocks: its inputs are views
-        of them (stacked only when a leaf has several blocks), its outputs land in reused
-        output buffers and are copied back, so the replay holds those buffers besides the
-        copy and no output memory per call."""
+    def _advance(self, call: tuple[int, int], batch: tuple[Chunk, ...], grad_parts: GradParts,
+                 injected: list[np.ndarray], *, first_run: bool) -> None:
+        """One replay call of a chunked plan, whose outputs are the host copy of its rows.
+
+        The first run in a window reads the captured rows in place and writes into the
+        outputs this call had in the window the copy was last used for (when the pool gave
+        it back; else new memory). Every later run donates the call's own outputs: XLA
+        updates them in place. Each call keeps its own rows, lockstep repeats included (see
+        :class:`Chunk`), so a repeated row is computed from the same values as the kept one."""
         plan = self.plan
-        by_leaf = {chunk.rows.leaf: chunk for chunk in batch}
-        owned = {j: by_leaf[owner] for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf}
+        by_leaf, owned = self.programs.leaves_of(batch)
+        grads_in = {k: self._gather(plan.params[k], None, c.rows, grad_parts) for k, c in by_leaf.items()}
+        if first_run:
+            captured = self._captured
+            moving = [*(self._gather(plan.params[k], None, c.rows, captured["params"]) for k, c in by_leaf.items()),
+                      *(self._gather(plan.state[j], None, plan.state_piece(j, c.rows), captured["state"])
+                        for j, c in owned.items())]
+            reuse = self.buffers.calls.pop(call, None)
+        else:
+            moving, reuse = self.buffers.calls.pop(call), None
+        params_in = dict(zip(by_leaf, moving))
+        state_in = dict(zip(owned, moving[len(by_leaf):]))
+        args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
+        del moving, params_in, state_in, grads_in
+        n = len(plan.params)
+        advanced = [*by_leaf, *(n + j for j in owned)]
+        outs = self.programs.run(args, injected, advanced, reuse, in_place=not first_run)
+        del args
+        self.buffers.calls[call] = [outs[x] for x in advanced]
+        self.replayed_bytes += sum(self.programs.bytes_of(c.keep) for c in by_leaf.values())
+        self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
+
+    def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
+        """One replay call over ``batch`` of a whole-leaf plan: its inputs are the host
+        blocks (assembled when a leaf has several), its outputs are copied back into them.
+        Whole leaves differ in shape from call to call, so no output buffer is kept."""
+        plan = self.plan
+        by_leaf, owned = self.programs.leaves_of(batch)
         params_in = {k: self._gather(plan.params[k], self.buffers.params[k], c.rows) for k, c in by_leaf.items()}
         grads_in = {k: self._gather(plan.params[k], None, c.rows, grad_parts) for k, c in by_leaf.items()}
         state_in = {j: self._gather(plan.state[j], self.buffers.state[j], plan.state_piece(j, c.rows))
@@ -179,17 +223,16 @@ class WindowReplay:
         outs = self.programs.run(args, injected, [*by_leaf, *(n + j for j in owned)])
         del args
         for k, c in by_leaf.items():
-            self._scatter(plan.params[k], self.buffers.params[k], c.rows, c.keep, outs[k])
+            _scatter(plan.params[k], self.buffers.params[k], outs[k])
             self.replayed_bytes += self.programs.bytes_of(c.keep)
-        for j, c in owned.items():
-            self._scatter(plan.state[j], self.buffers.state[j], plan.state_piece(j, c.rows),
-                          plan.state_piece(j, c.keep), outs[n + j])
+        for j in owned:
+            _scatter(plan.state[j], self.buffers.state[j], outs[n + j])
         self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
 
     def _gather(self, layout: LeafLayout, blocks: Any, rows: Piece, grad_parts: GradParts | None = None) -> np.ndarray:
         """The replay input of one leaf: ``rows`` of each of its blocks (of the host copy,
-        or of the captured gradient with ``grad_parts``), stacked along axis 0; a view when
-        the leaf has one block. Whole-leaf plans take the leaf in its global shape."""
+        or of captured pieces with ``grad_parts``), stacked along axis 0; a view when the
+        leaf has one block. Whole-leaf plans take the leaf in its global shape."""
         keys = [index_key(b) for b in layout.blocks]
 
         def part(key: BlockKey) -> np.ndarray:
@@ -209,48 +252,93 @@ class WindowReplay:
             return out
         return np.concatenate([part(key) for key in keys], axis=0)
 
-    def _scatter(self, layout: LeafLayout, blocks: Any, rows: Piece, keep: Piece, value: Any) -> None:
-        """Write the ``keep`` rows of a call's output (computed over ``rows``) back into the
-        host blocks."""
-        value = np.asarray(value)
-        keys = [index_key(b) for b in layout.blocks]
-        if not self.plan.chunked:
-            if len(keys) == 1:
-                np.copyto(blocks[keys[0]], value.reshape(blocks[keys[0]].shape))
-                return
-            for index, key in zip(layout.blocks, keys):
-                np.copyto(blocks[key], value[index])
-            return
-        if keep.stop == keep.start:
-            return
-        if not layout.shape:
-            np.copyto(blocks[keys[0]], value)
-            return
-        n, lo, hi = rows.stop - rows.start, keep.start - rows.start, keep.stop - rows.start
-        for i, key in enumerate(keys):
-            np.copyto(blocks[key][keep.start:keep.stop], value[i * n + lo:i * n + hi])
-
     def result(self) -> tuple[Any, Any, Any]:
         """(params, opt_state, extras) of version V as trees of :class:`HostArray`."""
         if not self.complete:
             raise WindowAborted(f"window for step {self.version} is incomplete")
         plan = self.plan
-        return (jax.tree.unflatten(plan.params_def, [host_array(b) for b in self.buffers.params]),
-                jax.tree.unflatten(plan.state_def, [host_array(b) for b in self.buffers.state]),
+        replayed = self._replayed_rows()
+        return (jax.tree.unflatten(plan.params_def, [host_array(b, replayed.get(("params", k), []))
+                                                     for k, b in enumerate(self.buffers.params)]),
+                jax.tree.unflatten(plan.state_def, [host_array(b, replayed.get(("state", j), []))
+                                                    for j, b in enumerate(self.buffers.state)]),
                 jax.tree.unflatten(plan.extras_def, [host_array(b) for b in self.buffers.extras]))
 
+    def _replayed_rows(self) -> dict[tuple[str, int], list[HostShard]]:
+        """Chunked plans: the rows each replay call keeps, as views of its outputs, by leaf."""
+        rows: dict[tuple[str, int], list[HostShard]] = {}
+        for call, outs in self.buffers.calls.items():
+            batch = self.programs.slice_batches(call[0])[call[1]]
+            for (kind, layout, chunk), value in zip(self.programs.call_leaves(batch), outs):
+                rows.setdefault((kind, chunk.rows.leaf), []).extend(_kept(layout, chunk, value))
+        return rows
 
-def _lockstep(pieces: tuple[Piece, ...], row_bytes, limit: int) -> list[tuple[Chunk, ...]]:
+
+def _add_parts(parts: GradParts, layout: LeafLayout, piece: Piece, captured: jax.Array) -> None:
+    """Add the blocks of a captured ``piece`` of a leaf to ``parts`` by (leaf, host block):
+    views, not copies."""
+    x = unlead(captured, len(layout.shape))
+    want = (piece.stop - piece.start,) + tuple(layout.block_shape[1:]) if layout.shape else ()
+    for shard in x.addressable_shards:
+        if shard.replica_id == 0:
+            if tuple(shard.data.shape) != want:
+                raise WindowAborted(f"a captured piece of leaf {piece.leaf} arrived in blocks of shape "
+                                    f"{tuple(shard.data.shape)} where {want} was planned. {MOVED}")
+            key = index_key(layout.block_of(normalize_index(shard.index, x.shape), piece))
+            parts.setdefault((piece.leaf, key), []).append((piece, np.asarray(shard.data)))
+
+
+def _kept(layout: LeafLayout, chunk: Chunk, value: jax.Array) -> list[HostShard]:
+    """The ``keep`` rows of a call's output for one leaf (computed over ``chunk.rows``, its
+    blocks stacked along axis 0), as views with their global indices."""
+    rows, keep = chunk.rows, chunk.keep
+    if keep.stop == keep.start:
+        return []
+    data = np.asarray(value)
+    if not layout.shape:
+        return [HostShard((), data)]
+    n, lo, hi = rows.stop - rows.start, keep.start - rows.start, keep.stop - rows.start
+    return [HostShard(rows_of(block, keep), data[i * n + lo:i * n + hi]) for i, block in enumerate(layout.blocks)]
+
+
+def _scatter(layout: LeafLayout, blocks: Any, value: Any) -> None:
+    """Copy a whole-leaf call's output for one leaf (in the leaf's global shape when it has
+    several blocks) into the host blocks."""
+    value = np.asarray(value)
+    keys = [index_key(b) for b in layout.blocks]
+    if len(keys) == 1:
+        np.copyto(blocks[keys[0]], value.reshape(blocks[keys[0]].shape))
+        return
+    for index, key in zip(layout.blocks, keys):
+        np.copyto(blocks[key], value[index])
+
+
+def call_bytes(plan: CapturePlan) -> int:
+    """About how many bytes of params and owned state one replay call advances.
+
+    Why larger calls with row chunks: there a call's inputs are views and its outputs are
+    the host copy, so its size costs no memory, and each call has a fixed cost (dispatching
+    ~80 arguments, XLA's threads) that small calls pay many times: on the 20M LM, K=3,
+    calls of 12 MB ran at 34% of a memcpy, of 40 MB at 45%, of 60 MB at 55%. Whole-leaf
+    calls get fresh outputs that are copied back, so they stay small."""
+    if plan.chunked:
+        return int(min(max(plan.state_bytes // 4, 4 << 20), 256 << 20))
+    return int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
+
+
+def _lockstep(pieces: tuple[Piece, ...], row_bytes, limit: int, align=lambda leaf: 1) -> list[tuple[Chunk, ...]]:
     """Row chunks of ``pieces`` in calls of about ``limit`` bytes, every call taking the
-    same number of rows of every piece (see :class:`Chunk`): one program for all calls."""
+    same number of rows of every piece (see :class:`Chunk`): one program for all calls.
+    The rows a call keeps of a leaf start at multiples of ``align(leaf)`` rows from the
+    piece's start (see :func:`overlap_ckpt.core.plan.part_rows`)."""
     total = sum((p.stop - p.start) * row_bytes(p.leaf) for p in pieces)
     calls = max(1, -(-total // max(limit, 1)))
     out = []
     for b in range(calls):
         batch = []
         for p in pieces:
-            n = p.stop - p.start
-            c = -(-n // calls)
+            n, a = p.stop - p.start, align(p.leaf)
+            c = min(n, -(-(-(-n // calls)) // a) * a)  # ceil(n / calls), rounded up to a multiple of a
             start, stop = p.start + min(b * c, n), min(p.start + (b + 1) * c, p.stop)
             lo = min(start, p.stop - c)
             batch.append(Chunk(Piece(p.leaf, lo, lo + c), Piece(p.leaf, start, max(start, stop))))
@@ -290,8 +378,10 @@ class ReplayPrograms:
 
         signature, read = plan.analysis.cut_signature, plan.analysis.cut_read
 
-        def run(args, injected, reuse):
+        def run(moving, fixed, injected, reuse):
             del reuse  # donated: XLA writes the outputs into these buffers (see :meth:`run`)
+            moving = iter(moving)
+            args = [next(moving) if x is None else x for x in fixed]
             outs, _ = interpret(flat, "inject", args, tokens, injected, signature, read)
             # Returning the injected scalars gives each one the extra use it has on the
             # device (where it is also shipped out): XLA:CPU rewrites a division by a
@@ -300,11 +390,11 @@ class ReplayPrograms:
 
         # keep_unused: jit drops arguments the program does not read, and a dropped
         # argument is not donated (the outputs would go to fresh memory again).
-        self._run = jax.jit(run, donate_argnums=2, keep_unused=True)
-        self._outputs: dict[tuple, list[jax.Array]] = {}  # output shapes -> buffers of that shape
+        self._run = jax.jit(run, donate_argnums=3, keep_unused=True)
+        self._run_in_place = jax.jit(run, donate_argnums=0, keep_unused=True)
         self._dummy_state: list[np.ndarray] | None = None
         self._stand_ins: tuple[list[jax.Array], list[jax.Array]] | None = None
-        self.batch_bytes = int(min(max(plan.state_bytes // 20, 4 << 20), 64 << 20))
+        self.batch_bytes = call_bytes(plan)
         self._batches = [self._make_batches(i) for i in range(plan.k - 1)]
 
     def unit_row_bytes(self, leaf: int) -> int:
@@ -320,7 +410,8 @@ class ReplayPrograms:
     def _make_batches(self, i: int) -> list[tuple[Chunk, ...]]:
         pieces = self.plan.slicing.slices[i]
         if self.plan.chunked:
-            return _lockstep(pieces, self.unit_row_bytes, self.batch_bytes)
+            return _lockstep(pieces, self.unit_row_bytes, self.batch_bytes,
+                             lambda leaf: part_rows(self.plan.params[leaf]))
         return _grouped(pieces, self._piece_bytes, self.batch_bytes)
 
     def slice_batches(self, i: int) -> list[tuple[Chunk, ...]]:
@@ -332,26 +423,38 @@ class ReplayPrograms:
 
     def scratch_bytes(self) -> int:
         """The most host memory a phase holds besides the host copy: its outbox (the
-        captured slice until it is copied in, the gradient pieces of slices 0..j until
-        they are applied), one replay call's inputs (when stacked or converted) and
-        gradients, and the calls' output buffers (kept per slice when chunked, see
-        :meth:`run`; else one call's)."""
+        captured slice until its first replay, the gradient pieces of slices 0..j until
+        they are applied), one replay call's copies of its inputs, and besides: with row
+        chunks, the rows two calls both compute (the copy is the calls' outputs, see
+        :class:`Chunk`); else one call's outputs."""
         plan = self.plan
+        batches = [batch for slice_batches in self._batches for batch in slice_batches]
 
         def rows(batch) -> int:
             return sum(self.bytes_of(c.rows) for c in batch)
 
-        most_call = max((rows(batch) + sum(self._grad_bytes(c.rows) for c in batch)
-                         for batches in self._batches for batch in batches), default=0)
-        outputs: dict[tuple, int] = {}  # as run() keeps them: one set per distinct shapes
-        for batch in (batch for batches in self._batches for batch in batches):
-            shapes = _shapes(self.outputs_of(batch))
-            outputs[shapes] = max(outputs.get(shapes, 0), rows(batch))
-        kept_outputs = sum(outputs.values()) if plan.chunked else max(outputs.values(), default=0)
+        most_call = max(map(self._input_copies, batches), default=0)
+        if plan.chunked:
+            outputs = sum(rows(batch) - sum(self.bytes_of(c.keep) for c in batch) for batch in batches)
+        else:
+            outputs = max(map(rows, batches), default=0)
         most_outbox = max((sum(self.bytes_of(p) for p in plan.slicing.slices[j])
                            + sum(self._grad_bytes(p) for p in plan.slicing.pieces_upto(j))
                            for j in range(plan.k - 1)), default=0)
-        return most_outbox + most_call + kept_outputs
+        return most_outbox + most_call + outputs
+
+    def _input_copies(self, batch: tuple[Chunk, ...]) -> int:
+        """Bytes of the inputs a call over ``batch`` copies: whole-leaf calls, all of them
+        (counted whole: leaves of several blocks are assembled); chunked calls, those of
+        leaves of several blocks (stacked) or whose row chunks may start off the alignment
+        XLA needs to read numpy memory in place. The others are views."""
+        if not self.plan.chunked:
+            return sum(self.bytes_of(c.rows) + self._grad_bytes(c.rows) for c in batch)
+        copied = 0
+        for kind, layout, chunk in self.call_leaves(batch):
+            if len(layout.blocks) > 1 or layout.row_bytes % XLA_ALIGNMENT:
+                copied += layout.row_bytes * (chunk.rows.stop - chunk.rows.start) * (2 if kind == "params" else 1)
+        return copied
 
     def bytes_of(self, piece: Piece) -> int:
         """Bytes of a piece of a parameter leaf and of the state leaves it owns."""
@@ -427,10 +530,11 @@ class ReplayPrograms:
         each is traced once.
         """
         plan = self.plan
-        for i, args, injected, reuse in self._calls():
+        for i, args, injected, advanced in self._calls():
             with blame(self._flat, args, f"on slice {i} of a window",
                        f"rehearsing the host replay of slice {i} of a window"):
-                outs, _ = jax.eval_shape(self._run, args, injected, reuse)
+                outs, _ = jax.eval_shape(self._run, *_split(args, advanced), injected,
+                                         [args[x] for x in advanced])
             for k, x in enumerate(args[:len(plan.params)]):
                 if tuple(outs[k].shape) != x.shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "
@@ -443,33 +547,51 @@ class ReplayPrograms:
         memory to the window's own, and glibc keeps most of it after the compile (a probe
         of the 20M LM, K=3: the first window's RSS ~0.6x the state above the later ones';
         the benchmark's peak RSS moved by less than its run-to-run noise). Compiled here,
-        :meth:`OverlapEngine.compile_replay` returns that memory before any window."""
+        :meth:`OverlapEngine.compile_replay` returns that memory before any window. With
+        row chunks each call has two programs: its first run and its in-place runs."""
         with jax.default_device(self.cpu):
-            for _, args, injected, reuse in self._calls():
-                self._run.lower(args, injected, reuse).compile()
+            for _, args, injected, advanced in self._calls():
+                moving, fixed = _split(args, advanced)
+                self._run.lower(moving, fixed, injected, list(moving)).compile()
+                if self.plan.chunked:
+                    self._run_in_place.lower(moving, fixed, injected, []).compile()
 
     def _calls(self):
-        """``(slice, args, injected, reuse)`` of one replay call per distinct program, as
-        abstract arrays: the arguments of the jitted program (see :meth:`run`)."""
+        """``(slice, args, injected, advanced)`` of one replay call per distinct program, as
+        abstract arrays: the arguments of :meth:`run`."""
         plan = self.plan
+        n = len(plan.params)
         injected = [jax.ShapeDtypeStruct((), np.dtype(dtype)) for _, dtype in plan.analysis.shipped_signature]
         shared = [jax.ShapeDtypeStruct(plan.state[j].shape, plan.state[j].dtype) for j in plan.analysis.shared_state]
         for i, batch in ((i, batch) for i in range(plan.k - 1) for batch in self.slice_batches(i)):
+            by_leaf, owned = self.leaves_of(batch)
             outputs = self.outputs_of(batch)
-            leaves = [c.rows.leaf for c in batch]
-            params_in = dict(zip(leaves, outputs))
-            owned = [j for j, o in enumerate(plan.analysis.state_owner) if o in leaves]
-            state_in = dict(zip(owned, outputs[len(leaves):]))
-            yield i, self.arguments(params_in, state_in, dict(params_in), shared), injected, outputs
+            params_in = dict(zip(by_leaf, outputs))
+            state_in = dict(zip(owned, outputs[len(by_leaf):]))
+            yield (i, self.arguments(params_in, state_in, dict(params_in), shared), injected,
+                   [*by_leaf, *(n + j for j in owned)])
+
+    def leaves_of(self, batch: tuple[Chunk, ...]) -> tuple[dict[int, Chunk], dict[int, Chunk]]:
+        """The params leaves a call over ``batch`` advances (in leaf order, the order of
+        their arguments and outputs: donated buffers go to the first outputs of their shape)
+        and the state leaves they own, each with its owner's chunk."""
+        plan = self.plan
+        by_leaf = {c.rows.leaf: c for c in sorted(batch, key=lambda c: c.rows.leaf)}
+        owned = {j: by_leaf[owner] for j, owner in enumerate(plan.analysis.state_owner) if owner in by_leaf}
+        return by_leaf, owned
+
+    def call_leaves(self, batch: tuple[Chunk, ...]) -> list[CallLeaf]:
+        """Every leaf a call over ``batch`` advances, in the order of its outputs (params,
+        then the state they own), with the rows it computes and keeps of that leaf."""
+        plan = self.plan
+        by_leaf, owned = self.leaves_of(batch)
+        return [*(("params", plan.params[k], c) for k, c in by_leaf.items()),
+                *(("state", plan.state[j], Chunk(plan.state_piece(j, c.rows), plan.state_piece(j, c.keep)))
+                  for j, c in owned.items())]
 
     def outputs_of(self, batch: tuple[Chunk, ...]) -> list[jax.ShapeDtypeStruct]:
-        """The outputs a call over ``batch`` writes into donated buffers: its params leaves,
-        then the state leaves they own, shaped as their inputs."""
-        plan = self.plan
-        by_leaf = {c.rows.leaf: c.rows for c in batch}
-        return [*(self.gathered(plan.params[k], rows) for k, rows in by_leaf.items()),
-                *(self.gathered(plan.state[j], plan.state_piece(j, by_leaf[o]))
-                  for j, o in enumerate(plan.analysis.state_owner) if o in by_leaf)]
+        """The outputs a call over ``batch`` advances, shaped as their inputs."""
+        return [self.gathered(layout, chunk.rows) for _, layout, chunk in self.call_leaves(batch)]
 
     def gathered(self, layout: LeafLayout, rows: Piece) -> jax.ShapeDtypeStruct:
         """Shape and dtype of :meth:`WindowReplay._gather` of ``rows`` of this leaf."""
@@ -481,34 +603,33 @@ class ReplayPrograms:
             shape = ((rows.stop - rows.start) * len(layout.blocks),) + tuple(layout.block_shape[1:])
         return jax.ShapeDtypeStruct(shape, layout.dtype)
 
-    def run(self, args: list[np.ndarray], injected: list[np.ndarray], advanced: list[int]) -> list[jax.Array]:
+    def run(self, args: list[Any], injected: list[np.ndarray], advanced: list[int],
+            reuse: list[jax.Array] | None = None, *, in_place: bool = False) -> list[jax.Array]:
         """One replay call: the outputs at ``advanced`` (the leaves it advances, shaped as
-        their inputs) are written into buffers the call donates, those of the last call
-        whose outputs had the same shapes.
+        their inputs) are written into the buffers ``reuse`` (donated; new ones when None)
+        or, ``in_place``, into the buffers of those leaves' inputs (donated).
 
         Why: XLA:CPU puts every output of a call in fresh memory, and on this hardware
         faulting in fresh pages cost several times the update itself (a 16 MB chunk, alone:
-        40 ms for the update into fresh outputs and the copy back, against 6 ms for the
-        update into memory already touched and 3 ms for a memcpy). A chunked plan's calls
-        of a slice all have the same shapes, and the slices of a model of equal layers
-        often too: one set of buffers serves them, in every later call and window. They
-        stay allocated as long as the plan (counted in :meth:`scratch_bytes`). Whole-leaf
-        calls differ in shape from group to group: theirs are made per call. The program
-        itself is the one without donation (the buffers are not read), so the values are
-        those of the device's update, bit for bit.
+        40 ms for the update into fresh outputs and the copy back, 6 ms for the update into
+        memory already touched, 4.5 ms in place, 3 ms for a memcpy). Donation changes where
+        the outputs go, not the program: the values are those of the device's update, bit
+        for bit (tested). Buffers that something still views (a numpy view of a copy being
+        persisted) are not donated by JAX: the outputs then go to new memory.
         """
-        shapes = _shapes(args[j] for j in advanced)
+        moving, fixed = _split(args, advanced)
         with jax.default_device(self.cpu):
-            reuse = self._outputs.pop(shapes, None) if self.plan.chunked else None
+            if in_place:
+                return self._run_in_place(moving, fixed, injected, [])[0]
             if reuse is None:
                 # Made as the stand-ins are (uncommitted): one program for the first call and
                 # the later ones, whatever mesh the loop has set.
-                reuse = [jnp.zeros(np.shape(args[j]), args[j].dtype) for j in advanced]
-            outs = self._run(args, injected, reuse)[0]
-        if self.plan.chunked:
-            self._outputs[shapes] = [outs[j] for j in advanced]
-        return outs
+                reuse = [jnp.zeros(np.shape(x), x.dtype) for x in moving]
+            return self._run(moving, fixed, injected, reuse)[0]
 
 
-def _shapes(arrays) -> tuple:
-    return tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in arrays)
+def _split(args: list[Any], advanced: list[int]) -> tuple[list[Any], list[Any]]:
+    """(the arguments at ``advanced``, all others with None in their place): the replay
+    program donates the first list or not, and is one program whatever it donates."""
+    at = set(advanced)
+    return [args[x] for x in advanced], [None if x in at else a for x, a in enumerate(args)]

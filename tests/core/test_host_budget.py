@@ -132,8 +132,9 @@ def test_host_blocks_keep_their_addresses_across_windows_and_released_copies_are
     monkeypatch.setattr(engine_module, "trim_host_memory", lambda: trims.append(1))
     import conftest
     monkeypatch.setattr(conftest, "MemorySink", lambda: sink)
-    # w000 (40 rows) is split over both steps of each window: its rows are copied into
-    # blocks the engine owns, which every later window must reuse at the same address.
+    # w000 (40 rows) is split over both steps of each window: its first rows (its first
+    # shard) are the replay's outputs, memory the engine owns, which every later window
+    # must reuse at the same address.
     engine, _, _ = run_loop(optax.adam(1e-2), make_params([(40, 6), (6,)]), window=2, interval=4, steps=17)
     assert len(sink.addresses) == 4
     owned = [a[0] for a in sink.addresses]

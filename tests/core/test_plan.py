@@ -44,3 +44,23 @@ def test_abstract_leaf_on_one_device_has_one_block():
     layout = leaf_layout(jax.ShapeDtypeStruct((5, 2), jnp.float32,
                                               sharding=jax.sharding.SingleDeviceSharding(device)))
     assert layout.blocks == ((slice(0, 5), slice(0, 2)),) and layout.rows == 5
+
+
+def test_large_leaves_are_cut_at_coarse_rows_by_slices_and_replay_calls():
+    """The rows each replay call keeps become storage parts: a leaf of 4 MiB or more is cut
+    at multiples of 1 MiB of rows (here 256 rows of 4 KiB), so that storage chunks tile the
+    parts and TensorStore writes them without copies; small leaves keep row cuts."""
+    from overlap_ckpt.core.replay import ReplayPrograms
+
+    tx = optax.adam(1e-3)
+    params = make_params([(2048, 1024), (40, 6)])
+    plan = make_plan(tx, params, tx.init(params), {}, 3)
+    assert plan.chunked and plan.k == 3
+    cuts = {p.leaf: [] for s in plan.slicing.slices for p in s}
+    for piece in (p for s in plan.slicing.slices for p in s):
+        cuts[piece.leaf] += [piece.start, piece.stop]
+    assert len(cuts[0]) > 2 and all(c % 256 == 0 for c in cuts[0]), cuts[0]
+    programs = ReplayPrograms(plan)
+    kept = [c.keep for i in range(plan.k - 1) for batch in programs.slice_batches(i) for c in batch
+            if c.keep.leaf == 0 and c.keep.stop > c.keep.start]
+    assert len(kept) > 2 and all(r.start % 256 == 0 and r.stop % 256 == 0 for r in kept), kept
