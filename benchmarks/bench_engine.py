@@ -9,10 +9,11 @@ host replay throughput (GB of state advanced per second of host time).
 
 Replay against memcpy (issue 20's target: >= 50% of a warm memcpy for Adam-style chains):
 the bytes of params + Adam moments the replay calls advanced, per second spent in those
-calls (inputs viewed, the optimizer run on the CPU backend, outputs written back), next
-to ``np.copyto`` of as many bytes into an already touched destination, in the same
-process right after the run. The receive time (copying the captured slice in) is
-reported separately, as the whole host time per window.
+calls (inputs viewed, the optimizer run on the CPU backend in place or, for whole-leaf
+plans, its outputs written back), next to ``np.copyto`` of as many bytes into an already
+touched destination, in the same process right after the run. The receive time (for
+whole-leaf plans, copying the captured slice in) is reported separately, as the whole host
+time per window.
 
     python -m benchmarks.bench_engine --params 100e6 --window 3
 """
