@@ -12,6 +12,7 @@ import orbax.checkpoint as ocp
 import pytest
 
 import overlap_ckpt as oc
+from overlap_ckpt.doors import orbax as orbax_door
 from overlap_ckpt.errors import WindowAborted
 from conftest import assert_bitwise, make_params, toy_loss
 
@@ -118,4 +119,4 @@ def test_host_copy_sink_resolves_in_window_order():
 
 def test_future_timeout_is_reported(tmp_path):
     with pytest.raises(TimeoutError, match="engine.submit"):
-        oc.doors.orbax._resolve(oc.OverlapSave(concurrent.futures.Future(), timeout_s=0.01))
+        orbax_door._resolve(oc.OverlapSave(concurrent.futures.Future(), timeout_s=0.01))
