@@ -338,7 +338,8 @@ def _lockstep(pieces: tuple[Piece, ...], row_bytes, limit: int, align=lambda lea
         batch = []
         for p in pieces:
             n, a = p.stop - p.start, align(p.leaf)
-            c = min(n, -(-(-(-n // calls)) // a) * a)  # ceil(n / calls), rounded up to a multiple of a
+            per_call = -(-n // calls)
+            c = min(n, -(-per_call // a) * a)  # rows per call, rounded up to a multiple of a
             start, stop = p.start + min(b * c, n), min(p.start + (b + 1) * c, p.stop)
             lo = min(start, p.stop - c)
             batch.append(Chunk(Piece(p.leaf, lo, lo + c), Piece(p.leaf, start, max(start, stop))))
@@ -629,7 +630,8 @@ class ReplayPrograms:
 
 
 def _split(args: list[Any], advanced: list[int]) -> tuple[list[Any], list[Any]]:
-    """(the arguments at ``advanced``, all others with None in their place): the replay
-    program donates the first list or not, and is one program whatever it donates."""
+    """(the arguments at ``advanced``, all others with None in their place): the first
+    list is what the in-place program donates. Both programs trace the same function, so
+    their results are the same; jit compiles it once per donation choice."""
     at = set(advanced)
     return [args[x] for x in advanced], [None if x in at else a for x, a in enumerate(args)]
