@@ -102,6 +102,13 @@ class BufferPool:
             del self._lent[:-self.max_free]
             self.holds_views = True
 
+    @property
+    def kept_bytes(self) -> int:
+        """Host memory kept for the next window: the owned blocks and replay outputs of the
+        copies lent to the sink (what lies between windows, besides compiled programs)."""
+        with self._lock:
+            return sum(buffers.nbytes for _, buffers in self._lent)
+
     def release_idle(self) -> int:
         """Drop the captured arrays that copies the sink is done with still reference, and
         return their memory to the OS; returns the bytes dropped."""
@@ -307,6 +314,11 @@ class OverlapEngine:
         plan = self.plan
         extras = sum(layout.rows * layout.row_bytes for layout in plan.extras)
         return plan.state_bytes + extras, self._programs[plan].scratch_bytes() + SINK_STAGING_BYTES
+
+    @property
+    def kept_host_bytes(self) -> int:
+        """Host memory kept between windows for reuse (see :class:`BufferPool`)."""
+        return self._pool.kept_bytes
 
     def release_idle_buffers(self) -> None:
         """Free the host memory of copies the sink has finished with, on the worker thread
