@@ -21,14 +21,13 @@ import collections
 import dataclasses
 import logging
 import threading
-import time
 from typing import Any
 
 import jax
 
 from . import autok
 from .autok import AutoWindow
-from .core.buffers import trim_host_memory
+from .compile_ahead import AheadCall, AheadJob, CompileAhead
 from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
@@ -37,7 +36,7 @@ from .core.window_context import hand_to_next_step, window_ticket
 from .doors.abstract import abstract_arguments, after_the_step, graph_nodes
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
-from .errors import CheckpointError, CheckpointFailure, ConfigError, brief
+from .errors import CheckpointError, CheckpointFailure, ConfigError
 from .host_budget import BudgetSummary, Footprint, HostBudget
 from .save_tree import Arrange, SaveTree
 from .tiers import LocalTier, TieredStore
@@ -129,14 +128,7 @@ class CheckpointManager:
         self._sent: WindowTicket | None = None  # the ticket given to the next step
         self._extras: list | None = None  # extras copied before the next step (doors that need it)
         self._failures: list[CheckpointFailure] = []
-        self._ahead: tuple | None = None  # (step_fn, args, kwargs) given to compile_ahead
-        self._ahead_live: tuple | None = None  # its NNX objects and state positions, until the first step
-        self._first_job: tuple | None = None  # what compiles ahead, as the first step left it
-        self._compiling: list[threading.Thread] = []  # compile_ahead threads, joined at close
-        self._stepped = threading.Event()  # set once step() has seen a trained state
-        self._ahead_error: BaseException | None = None  # a window variant that failed to compile
-        self._variants_ready = threading.Event()  # the latest compile_ahead's variants are compiled
-        self._variants_ready.set()
+        self._ahead = CompileAhead(lambda plan: self.engine.compile_replay(plan))
         self._captured: collections.deque[int] = collections.deque(maxlen=16)  # versions whose window completed capture
         self._closed = False
 
@@ -188,16 +180,11 @@ class CheckpointManager:
         """
         self._check_open()
         self._raise_failures()
-        if not self._stepped.is_set():  # a lock-free read: the hot path pays no Condition
+        ahead = self._ahead
+        if not ahead.stepped:
             self._follow_the_first_step(state)
-            self._first_job = self._ahead_job() if self._ahead is not None else None
-            self._stepped.set()
-        if self._ahead_error is not None:
-            error, self._ahead_error = self._ahead_error, None
-            raise ConfigError(
-                f"the window variant of the train step does not compile ({type(error).__name__}: "
-                f"{brief(error)}); this step would fail at the first checkpoint window. See "
-                "docs/porting.md for the supported loop styles.") from error
+            ahead.first_step(self._ahead_job())
+        ahead.raise_failure()
         if self._door is None:
             log.info("CheckpointManager.step called before prepare(); preparing now")
             return self.prepare(state)
@@ -239,33 +226,33 @@ class CheckpointManager:
         if not any(self._door.is_state(a) for a in args):
             raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
                             "prepared; pass the arguments of one call of the step, the state among them")
-        self._ahead = (step_fn, *abstract_arguments(args, kwargs))
-        if not self._stepped.is_set():
-            self._ahead_live = (graph_nodes(args), [i for i, a in enumerate(args) if self._door.is_state(a)])
+        ahead = self._ahead
+        ahead.give(AheadCall(step_fn, *abstract_arguments(args, kwargs)),
+                   (graph_nodes(args), [i for i, a in enumerate(args) if self._door.is_state(a)]))
         if self._auto is not None:
             self._predict_window(next(a for a in args if self._door.is_state(a)))
-        return self._compile_ahead()
+        return ahead.start(self._ahead_job() if ahead.stepped else None)
 
     def _follow_the_first_step(self, state: Any) -> None:
         """Before the variants given to :meth:`compile_ahead` compile: when the first step
         moved a leaf (a jit without ``out_shardings``), plan again and take the call's
         arguments as the step left them (:func:`overlap_ckpt.doors.abstract.after_the_step`),
         so that what compiles ahead is what the windows run."""
-        live, self._ahead_live = self._ahead_live, None
+        ahead = self._ahead
+        live, ahead.live = ahead.live, None
         if live is None or self._door is None:
             return
         planned = self.engine.plan
         parts = self._door.parts(state)
         if self.engine.plan_for(parts.params, parts.opt_state, parts.extras) is planned:
             return
-        step_fn, args, kwargs = self._ahead
-        self._ahead = (step_fn, after_the_step(args, *live, state), kwargs)
+        ahead.call = ahead.call._replace(args=after_the_step(ahead.call.args, *live, state))
 
     def _predict_window(self, state: Any) -> None:
         """``window="auto"``: K from the plain step's program, before any window. The
         measurement still runs: a prediction rests on a datasheet and an assumed MFU, so
         when the measured step gives another K, the windows after it use that one."""
-        step_fn, args, kwargs = self._ahead
+        step_fn, args, kwargs = self._ahead.call
         plan = self.engine.plan
         sharding = plan.params[0].sharding
         with window_ticket(None):  # the user's own program, whatever the next step captures
@@ -279,11 +266,13 @@ class CheckpointManager:
         self.window_prediction = predicted
         self._use_window(predicted.k, state)
 
-    def _ahead_job(self) -> tuple:
-        """``(step_fn, args, kwargs, plan, tickets)`` to compile ahead, read on the training
-        thread: a later step may re-plan (``window="auto"``) while the compile thread runs,
-        and the engine has no plan for a moment then."""
-        step_fn, args, kwargs = self._ahead
+    def _ahead_job(self) -> AheadJob | None:
+        """What to compile ahead, read on the training thread: a later step may re-plan
+        (``window="auto"``) while the compile thread runs, and the engine has no plan for a
+        moment then. None when no step was given to :meth:`compile_ahead`."""
+        call = self._ahead.call
+        if call is None:
+            return None
         plan = self.engine.plan
         tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
         if self._budget.on_full == "skip":
@@ -291,43 +280,7 @@ class CheckpointManager:
             # host is already short of memory, the worst moment for a compile on the
             # training thread. ("wait" never runs them for lack of memory.)
             tickets += [WindowTicket(plan, phase, capture=False) for phase in range(plan.k)]
-        return step_fn, args, kwargs, plan, tickets
-
-    def _compile_ahead(self) -> threading.Thread:
-        first_step = self._stepped
-        # Before the first step, what to compile is read when it has run, as it left the
-        # state (step() sets _first_job, then first_step).
-        job = self._ahead_job() if first_step.is_set() else None
-
-        ready = self._variants_ready = threading.Event()
-
-        def run() -> None:
-            try:
-                first_step.wait()  # the user's own program is compiled (and its memory freed)
-                picked = job or self._first_job
-                if picked is None:  # closed before the first step
-                    return
-                step_fn, args, kwargs, plan, tickets = picked
-                for ticket in tickets:
-                    if self._closed:
-                        return
-                    with window_ticket(ticket):
-                        step_fn.lower(*args, **kwargs).compile()
-                    # XLA frees a compile's working memory in pieces that glibc keeps in its
-                    # arenas: measured on the 20M LM, K=3, 1.3x the state stayed resident
-                    # after the variants compiled, until the process ended.
-                    trim_host_memory()
-                ready.set()
-                self.engine.compile_replay(plan)
-            except Exception as e:  # noqa: BLE001 - raised by the next step(), long before the window
-                self._ahead_error = e
-            finally:
-                ready.set()
-
-        thread = threading.Thread(target=run, name="overlap-ckpt-compile-ahead", daemon=True)
-        thread.start()
-        self._compiling.append(thread)
-        return thread
+        return AheadJob(call, plan, tickets)
 
     @property
     def next_window_phase(self) -> int | None:
@@ -431,9 +384,7 @@ class CheckpointManager:
         finally:
             self._closed = True
             hand_to_next_step(self, None)  # steps after the manager is gone are plain steps
-            self._stepped.set()  # a compile_ahead still waiting: let it finish or see it is moot
-            for thread in self._compiling:  # a process must not exit in the middle of a compile
-                thread.join()
+            self._ahead.close()  # a process must not exit in the middle of a compile
             if self.engine is not None:
                 self.engine.close()
             self.store.close()
@@ -505,7 +456,7 @@ class CheckpointManager:
             engine.plan_for(parts.params, parts.opt_state, parts.extras)  # re-plans if the tree changed
             if engine.phase(step) == 0 and engine.windows.captures(step, 0):  # the plan may lower K
                 self._check_host_memory(step)
-        self._await_variants()
+        self._ahead.await_variants()
         ticket = engine.ticket(step)
         self._sent = ticket
         self._extras = None
@@ -514,22 +465,6 @@ class CheckpointManager:
             self._extras = capture_before_step(ticket, self._door.parts(state).extras)
         hand_to_next_step(self, ticket)
         return state
-
-    def _await_variants(self) -> None:
-        """Before a window step: wait for the variants :meth:`compile_ahead` is compiling.
-
-        Why: a loop that does not sync every step reaches the first window as fast as it
-        dispatches, possibly before the variants are compiled. The window step then compiled
-        its variant again on the training thread, beside the background compile of the same
-        program: on the 20M LM, K=3, loss fetched every 5 steps, the training thread spent
-        2.7x the plain loop's compile time. Waiting costs at most the rest of that compile.
-        Before the first step (a second ``prepare``) the compile has not started: no wait."""
-        ready = self._variants_ready
-        if ready.is_set() or not self._stepped.is_set():
-            return
-        start = time.perf_counter()
-        ready.wait()
-        log.info("window step waited %.2f s for compile_ahead's variants", time.perf_counter() - start)
 
     def _check_host_memory(self, step: int) -> None:
         """Admit the window of ``step``'s version under the host budget: wait for earlier
@@ -572,8 +507,8 @@ class CheckpointManager:
         if k is None:
             return
         self._auto = None
-        if self._use_window(k, state) and self._ahead is not None:
-            self._compile_ahead()
+        if self._use_window(k, state) and self._ahead.call is not None:
+            self._ahead.start(self._ahead_job())
 
     def _bytes_per_device(self) -> tuple[float, float]:
         """State and gradient bytes one device copies in a window: this process's blocks

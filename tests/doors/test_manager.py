@@ -212,7 +212,7 @@ def test_compile_ahead_with_skip_also_compiles_the_variants_of_a_skipped_window(
 
 
 class HeldEvent(threading.Event):
-    """Stands in for the manager's first-step event: the compile-ahead thread waiting on it
+    """Stands in for compile-ahead's first-step event: the compile-ahead thread waiting on it
     wakes when the first step has run, then is held until ``release`` is set."""
 
     def __init__(self):
@@ -237,14 +237,14 @@ def test_compile_ahead_takes_what_to_compile_from_the_training_thread(tmp_path):
     try:
         with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
             state = mngr.prepare(make_state())
-            mngr._stepped = held = HeldEvent()  # the event the compile thread waits on
+            mngr._ahead._stepped = held = HeldEvent()  # the event the compile thread waits on
             compiling = mngr.compile_ahead(held_step, state, batch(0))
             state = mngr.step(held_step(state, batch(0)))
             plan, mngr.engine.plan = mngr.engine.plan, None  # as a re-plan leaves it for a moment
             held.release.set()
             compiling.join()
             mngr.engine.plan = plan
-            assert errors == [] and mngr._ahead_error is None, (errors, mngr._ahead_error)
+            assert errors == [] and mngr._ahead._error is None, (errors, mngr._ahead._error)
             for t in range(1, 9):
                 state = mngr.step(held_step(state, batch(t)))
             mngr.wait_until_finished()
@@ -266,7 +266,7 @@ def test_a_window_reached_before_compile_ahead_finished_waits_for_its_variants(t
 
     with CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
         state = mngr.prepare(make_state())
-        mngr._stepped = held = HeldEvent()  # the event the compile thread waits on
+        mngr._ahead._stepped = held = HeldEvent()  # the event the compile thread waits on
         compiling = mngr.compile_ahead(early_step, state, batch(0))
         state = mngr.step(early_step(state, batch(0)))
         releaser = threading.Timer(0.5, held.release.set)  # the compile thread starts late
