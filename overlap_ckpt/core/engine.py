@@ -184,6 +184,7 @@ class OverlapEngine:
         # Optional timeline hook (benchmarks): set to a list to get one
         # (step, phase, start, end) tuple of time.perf_counter() per received phase.
         self.spans: list | None = None
+        self._closed = False
         self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
         self._worker.start()
 
@@ -289,6 +290,9 @@ class OverlapEngine:
     def submit(self, step: int, outbox: Outbox, metadata: dict | None = None) -> bool:
         """Hand a step's outbox to the host worker and return at once; False when the outbox
         is not wanted (a window this run does not capture) and was dropped."""
+        if self._closed:  # no worker would take it: the checkpoint would be lost without a word
+            raise RuntimeError(f"OverlapEngine.submit: the engine is closed; the outbox of step {step} "
+                               "was not taken. Submit before close(), or make a new engine.")
         ticket = outbox.ticket
         if not ticket.capture or not self.windows.captures(step, ticket.phase):
             return False
@@ -337,7 +341,10 @@ class OverlapEngine:
         return out
 
     def flush(self) -> None:
-        """Block until every submitted phase is processed (failures stay recorded)."""
+        """Block until every submitted phase is processed (failures stay recorded). After
+        :meth:`close` there is nothing left to wait for: it processed every phase first."""
+        if self._closed:
+            return
         done = threading.Event()
         self._queue.put(("flush", done))
         done.wait()
@@ -350,6 +357,8 @@ class OverlapEngine:
             raise self._failures.popleft().error
 
     def close(self) -> None:
+        """Process every submitted phase, then stop the worker."""
+        self._closed = True
         if self._worker.is_alive():
             self._queue.put(("stop", None))
             self._worker.join()

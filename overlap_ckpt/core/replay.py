@@ -91,6 +91,9 @@ class WindowReplay:
         # Chunked plans: the captured slice of this phase as views by (leaf, block), read by
         # the first call over each of its rows and dropped after them.
         self._captured: dict[str, GradParts] | None = None
+        # Chunked plans: the addresses of the buffers each call of this phase donated, which
+        # its outputs must reuse (else the host holds one copy more: _warn_new_memory).
+        self._reused: dict[tuple[int, int], list[int]] = {}
         self.replayed_bytes = 0  # bytes of params + owned state advanced by replay
         self.apply_seconds = 0.0  # time in replay calls (gather, run, any write back), copy-in excluded
 
@@ -165,6 +168,10 @@ class WindowReplay:
         # Until its call has run, XLA holds what a call reads: without the wait the captured
         # slice outlived its phase (measured: a third of the state more at the next phase).
         jax.block_until_ready(self.buffers.calls)
+        if any([x.unsafe_buffer_pointer() for x in self.buffers.calls[call]] != wanted
+               for call, wanted in self._reused.items()):
+            _warn_new_memory()
+        self._reused.clear()
         self._captured = None
         self.apply_seconds += time.perf_counter() - start
 
@@ -195,6 +202,9 @@ class WindowReplay:
             reuse = self.buffers.calls.pop(call, None)
         else:
             moving, reuse = self.buffers.calls.pop(call), None
+        donated = reuse if first_run else moving
+        if donated is not None:  # checked once the phase's calls have run (see _replay)
+            self._reused[call] = [x.unsafe_buffer_pointer() for x in donated]
         params_in = dict(zip(by_leaf, moving))
         state_in = dict(zip(owned, moving[len(by_leaf):]))
         args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
@@ -202,7 +212,7 @@ class WindowReplay:
         n = len(plan.params)
         advanced = [*by_leaf, *(n + j for j in owned)]
         outs = self.programs.run(args, injected, advanced, reuse, in_place=not first_run)
-        del args
+        del args, donated
         self.buffers.calls[call] = [outs[x] for x in advanced]
         self.replayed_bytes += sum(self.programs.bytes_of(c.keep) for c in by_leaf.values())
         self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
@@ -272,6 +282,23 @@ class WindowReplay:
             for (kind, layout, chunk), value in zip(self.programs.call_leaves(batch), outs):
                 rows.setdefault((kind, chunk.rows.leaf), []).extend(_kept(layout, chunk, value))
         return rows
+
+
+_warned_new_memory = False
+
+
+def _warn_new_memory() -> None:
+    """Once per process: the replay's outputs went to new memory instead of the buffers they
+    reuse. JAX does not donate a buffer that a numpy view still references, and says nothing;
+    the copy is still exact, but the host then holds one more copy per window, beyond what
+    ``max_host_bytes`` accounts for."""
+    global _warned_new_memory
+    if not _warned_new_memory:
+        _warned_new_memory = True
+        log.warning("the host replay wrote a checkpoint into new memory instead of reusing its buffers: "
+                    "something still holds numpy views of an earlier host copy (a Sink that keeps the tree it "
+                    "was given must list its step in busy_steps() for as long). Host memory grows by up to a "
+                    "copy of the state per window.")
 
 
 def _add_parts(parts: GradParts, layout: LeafLayout, piece: Piece, captured: jax.Array) -> None:

@@ -1,8 +1,11 @@
 """core.engine: re-planning, window changes, and windows through the whole loop."""
 
+import threading
+
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 from overlap_ckpt import MemorySink, OverlapEngine
 
@@ -79,3 +82,21 @@ def test_submit_drops_windows_the_run_does_not_capture():
     from overlap_ckpt.core.capture import Outbox
     assert engine.submit(4, Outbox(ticket, [], [], [], [], [])) is False
     engine.close()
+
+
+def test_a_closed_engine_refuses_outboxes_and_its_flush_returns():
+    """After close() the worker is gone: a submitted outbox was queued for nobody (the
+    checkpoint lost without a word) and wait_until_finished() waited forever."""
+    tx = optax.adam(1e-2)
+    params = make_params([(8, 3)])
+    engine = OverlapEngine(tx, MemorySink(), interval=4, window=1)
+    engine.plan_for(params, tx.init(params), {"step": jnp.int32(0)})
+    ticket = engine.ticket(3)
+    from overlap_ckpt.core.capture import Outbox
+    engine.close()
+    waiting = threading.Thread(target=engine.wait_until_finished, daemon=True)
+    waiting.start()
+    waiting.join(30)
+    assert not waiting.is_alive(), "wait_until_finished() on a closed engine waits forever"
+    with pytest.raises(RuntimeError, match="engine is closed.*step 3 was not taken"):
+        engine.submit(3, Outbox(ticket, [], [], [], [], []))

@@ -12,6 +12,7 @@ after it runs.
 from __future__ import annotations
 
 import functools
+import logging
 import tracemalloc
 
 import jax
@@ -193,3 +194,69 @@ def test_a_phase_ends_with_its_replay_calls_done(monkeypatch):
     for version, ref in refs.items():
         tree, _ = sink.saved[version]
         assert_bitwise((tree["params"], tree["opt_state"]), ref, f"version {version}")
+
+
+def test_the_store_gives_the_replay_buffers_back_between_windows(monkeypatch, tmp_path, caplog):
+    """With the real sink, a CheckpointStore writing through TensorStore (which may
+    reference the host copy instead of copying it), the replay's outputs still go to the
+    same buffers in every window once the copy before was persisted: a write that kept a
+    view of them would make every window write into fresh memory, which no error reports."""
+    from conftest import assert_bitwise, run_loop
+    from overlap_ckpt.storage import CheckpointStore
+
+    addresses: dict[tuple[int, int], set[tuple[int, ...]]] = {}
+    advance = replay_module.WindowReplay._advance
+
+    def recorded(self, call, *args, **kwargs):
+        advance(self, call, *args, **kwargs)
+        addresses.setdefault(call, set()).add(tuple(x.unsafe_buffer_pointer() for x in self.buffers.calls[call]))
+
+    monkeypatch.setattr(replay_module.WindowReplay, "_advance", recorded)
+    store = CheckpointStore(tmp_path / "ckpt")
+
+    def persisted_before_the_next_window(t, engine, *_):
+        # As at any interval longer than the write: a copy still being written is not
+        # reused (BufferPool), and toy steps outrun the replay and the write.
+        if t % 10 == 5:
+            engine.flush()
+            store.wait_until_finished()
+
+    monkeypatch.setattr(replay_module, "_warned_new_memory", False)
+    try:
+        with caplog.at_level(logging.WARNING, logger=replay_module.__name__):
+            engine, _, refs = run_loop(optax.adam(1e-2), make_params([(16384, 128), (128,), (8192, 128)]),
+                                       window=3, interval=10, steps=41, sink=store,
+                                       before_step=persisted_before_the_next_window)
+        assert not caplog.records, [r.getMessage() for r in caplog.records]
+        store.wait_until_finished()
+        assert engine.plan.chunked and sorted(refs) == [10, 20, 30, 40] == store.all_steps()
+        assert addresses and all(len(seen) == 1 for seen in addresses.values()), \
+            {call: len(seen) for call, seen in addresses.items()}
+        for version, (params, opt_state) in refs.items():
+            target = {"params": params, "opt_state": opt_state, "extras": {"step": np.int32(0)}}
+            restored, _ = store.restore(version, target=target)
+            assert_bitwise((restored["params"], restored["opt_state"]), (params, opt_state), f"version {version}")
+    finally:
+        store.close()
+
+
+def test_a_sink_that_keeps_views_it_calls_idle_is_reported(monkeypatch, caplog):
+    """A sink that keeps the trees it is given but names no step busy: JAX cannot donate the
+    buffers its numpy views reference and puts the replay's outputs in new memory without a
+    word, a copy of the state more per window. The replay says so, once, and the checkpoints
+    stay exact."""
+    from conftest import CopyingSink, check_windows, run_loop
+
+    class KeepingSink(CopyingSink):
+        def put(self, step, tree, metadata=None):
+            super().put(step, tree, metadata)
+            self.kept = getattr(self, "kept", []) + [tree]  # the views, past "not busy"
+
+    monkeypatch.setattr(replay_module, "_warned_new_memory", False)
+    sink = KeepingSink()
+    with caplog.at_level(logging.WARNING, logger=replay_module.__name__):
+        _, _, refs = run_loop(optax.adam(1e-2), make_params([(16384, 128), (128,), (8192, 128)]),
+                              window=3, interval=4, steps=13, sink=sink)
+    check_windows(sink, refs)
+    warned = [r for r in caplog.records if "new memory instead of reusing" in r.getMessage()]
+    assert len(warned) == 1, [r.getMessage() for r in caplog.records]
