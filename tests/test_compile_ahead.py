@@ -20,9 +20,11 @@ from overlap_ckpt.errors import ConfigError
 class RecordingStep:
     """A jitted step as compile_ahead uses it: ``lower(*args).compile()``."""
 
-    def __init__(self, fail_on=None):
+    def __init__(self, fail_on=None, hold: threading.Event | None = None):
         self.lowered: list[tuple] = []  # (tickets in effect, thread name) per lowering
         self.fail_on = fail_on
+        self.hold = hold  # each compile waits for it
+        self.compiling = threading.Event()  # a compile has started
 
     def lower(self, *args, **kwargs):
         tickets = window_tickets()
@@ -32,7 +34,18 @@ class RecordingStep:
         return self
 
     def compile(self):
+        self.compiling.set()
+        if self.hold is not None:
+            self.hold.wait(30)
         return self
+
+
+def started(fn) -> threading.Thread:
+    """``fn`` running in a thread of its own, 0.2 s after it started."""
+    thread = threading.Thread(target=fn, daemon=True)
+    thread.start()
+    thread.join(0.2)
+    return thread
 
 
 def job(step, tickets, plan="plan"):
@@ -56,20 +69,12 @@ def test_nothing_compiles_before_the_first_step_then_every_variant_before_the_re
 
 
 def test_a_window_step_waits_for_the_variants_but_not_for_the_replay():
-    step, variant_may_finish, replay_may_finish = RecordingStep(), threading.Event(), threading.Event()
-    held_compile = step.compile
-
-    def slow_compile():
-        variant_may_finish.wait(30)
-        return held_compile()
-
-    step.compile = slow_compile
+    variant_may_finish, replay_may_finish = threading.Event(), threading.Event()
+    step = RecordingStep(hold=variant_may_finish)
     ahead = CompileAhead(lambda plan: replay_may_finish.wait(30))
     ahead.first_step(None)
     thread = ahead.start(job(step, ["phase-0"]))
-    waited = threading.Thread(target=ahead.await_variants)
-    waited.start()
-    waited.join(0.2)
+    waited = started(ahead.await_variants)
     assert waited.is_alive(), "a window step went on while its variant was compiling"
     variant_may_finish.set()
     waited.join(30)
@@ -98,30 +103,20 @@ def test_closing_before_the_first_step_ends_the_waiting_compile_without_compilin
     ahead = CompileAhead(lambda plan: pytest.fail("compiled after close"))
     ahead.give(AheadCall(step, (), {}), live=None)
     thread = ahead.start(None)
-    closing = threading.Thread(target=ahead.close, daemon=True)  # joins the compile thread
-    closing.start()
+    closing = started(ahead.close)  # joins the compile thread
     closing.join(30)
     assert not closing.is_alive(), "close waits for a compile that waits for a first step"
     assert not thread.is_alive() and step.lowered == []
 
 
 def test_closing_during_a_compile_waits_for_it_and_compiles_no_further_variant():
-    step, compiling, may_finish = RecordingStep(), threading.Event(), threading.Event()
-    held_compile = step.compile
-
-    def held():
-        compiling.set()
-        may_finish.wait(30)
-        return held_compile()
-
-    step.compile = held
+    may_finish = threading.Event()
+    step = RecordingStep(hold=may_finish)
     ahead = CompileAhead(lambda plan: pytest.fail("compiled the replay after close"))
     ahead.first_step(None)
     thread = ahead.start(job(step, ["phase-0", "phase-1"]))
-    assert compiling.wait(30)
-    closing = threading.Thread(target=ahead.close)
-    closing.start()
-    closing.join(0.2)
+    assert step.compiling.wait(30)
+    closing = started(ahead.close)
     assert closing.is_alive(), "close returned in the middle of a compile"
     may_finish.set()
     closing.join(30)
