@@ -15,7 +15,7 @@ does about it are not, and they were spread through the manager:
   one (:meth:`CompileAhead.close`).
 
 What to compile (the plan, the tickets, the call) is the manager's: it knows the door, the
-engine and the host budget; this unit only runs :class:`AheadJob` s.
+engine and the host budget; this unit only runs the jobs it is given (:class:`AheadJob`).
 """
 
 from __future__ import annotations
