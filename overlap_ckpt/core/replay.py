@@ -168,8 +168,7 @@ class WindowReplay:
         # Until its call has run, XLA holds what a call reads: without the wait the captured
         # slice outlived its phase (measured: a third of the state more at the next phase).
         jax.block_until_ready(self.buffers.calls)
-        if any([x.unsafe_buffer_pointer() for x in self.buffers.calls[call]] != wanted
-               for call, wanted in self._reused.items()):
+        if any(_addresses(self.buffers.calls[call]) != wanted for call, wanted in self._reused.items()):
             _warn_new_memory()
         self._reused.clear()
         self._captured = None
@@ -204,7 +203,7 @@ class WindowReplay:
             moving, reuse = self.buffers.calls.pop(call), None
         donated = reuse if first_run else moving
         if donated is not None:  # checked once the phase's calls have run (see _replay)
-            self._reused[call] = [x.unsafe_buffer_pointer() for x in donated]
+            self._reused[call] = _addresses(donated)
         params_in = dict(zip(by_leaf, moving))
         state_in = dict(zip(owned, moving[len(by_leaf):]))
         args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
@@ -282,6 +281,12 @@ class WindowReplay:
             for (kind, layout, chunk), value in zip(self.programs.call_leaves(batch), outs):
                 rows.setdefault((kind, chunk.rows.leaf), []).extend(_kept(layout, chunk, value))
         return rows
+
+
+def _addresses(arrays: list[jax.Array]) -> list[int]:
+    """Where each shard of ``arrays`` lies (a loop with a mesh set makes the replay's
+    outputs sharded over the CPU devices)."""
+    return [shard.data.unsafe_buffer_pointer() for x in arrays for shard in x.addressable_shards]
 
 
 _warned_new_memory = False
