@@ -25,7 +25,6 @@ Each figure is one fresh process; RSS is read from /proc (VmRSS).
 from __future__ import annotations
 
 import argparse
-import gc
 import json
 import os
 import subprocess
@@ -71,13 +70,7 @@ def resident(model: str, k: int, index: int, mode: str, directory: str) -> dict:
     "compile") or by loading its serialized form from ``directory`` ("load")."""
     from jax.experimental import serialize_executable
 
-    from benchmarks.run import _rss_now
-    from overlap_ckpt.core.buffers import trim_host_memory
-
-    def settled() -> int:
-        gc.collect()
-        trim_host_memory()
-        return _rss_now()
+    from benchmarks.run import settled_rss
 
     import jax
 
@@ -85,15 +78,15 @@ def resident(model: str, k: int, index: int, mode: str, directory: str) -> dict:
     # by a program of its own, so that the figures below are the program's alone.
     jax.block_until_ready(jax.jit(lambda x: x * 2 + 1)(jax.numpy.ones(8)))
     name, lower, _ = list(_programs("cpu", model, k))[index]
-    before = settled()
+    before = settled_rss()
     lowered = lower()
-    after_lowering = settled()
+    after_lowering = settled_rss()
     if mode == "compile":
         executable = lowered.compile()
     else:
         with open(os.path.join(directory, f"{index}.bin"), "rb") as f:
             executable = serialize_executable.deserialize_and_load(f.read(), lowered.in_tree, lowered.out_tree)
-    after = settled()
+    after = settled_rss()
     del executable
     return {"program": name, "mode": mode, "lowering_bytes": after_lowering - before,
             "executable_bytes": after - after_lowering}

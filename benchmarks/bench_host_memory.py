@@ -53,15 +53,10 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     import optax
 
     import overlap_ckpt as oc
-    from overlap_ckpt.core.buffers import trim_host_memory
     from overlap_ckpt.tools.models import linen_init
 
     from benchmarks.lm_loop import lm_loop
-    from benchmarks.run import _rss_now, _tree_bytes
-
-    def settled() -> int:
-        trim_host_memory()
-        return _rss_now()
+    from benchmarks.run import _rss_now, _tree_bytes, settled_rss
 
     lm = lm_loop(model, batch_size)
     state = oc.TrainState.create(apply_fn=lm.model.apply, params=linen_init(lm.config, 0),
@@ -84,18 +79,18 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     root = tempfile.mkdtemp(prefix="bench_host_memory_")
     mngr = oc.CheckpointManager(root, save_interval_steps=interval, window=k)
     state = mngr.prepare(state)
-    before_variants = settled()
+    before_variants = settled_rss()
     compiling = mngr.compile_ahead(lm.train_step, state, lm.batches[0])
     state = step(state)  # compile_ahead starts after the first step
     compiling.join()
-    variants = settled() - before_variants
+    variants = settled_rss() - before_variants
     while t <= interval + 1:  # through the first window
         state = step(state)
     mngr.wait_until_finished()
     mngr.engine.release_idle_buffers()  # the persisted capture's views, as the next step would
     mngr.engine.flush()
     kept = mngr.engine.kept_host_bytes
-    first_checkpoint = settled() - before_variants - variants
+    first_checkpoint = settled_rss() - before_variants - variants
 
     samples: list[tuple[float, int]] = []
     stop = threading.Event()

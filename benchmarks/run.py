@@ -76,6 +76,18 @@ def _rss_now() -> int:
         return 0
 
 
+def settled_rss() -> int:
+    """RSS once garbage is collected and freed heap pages are given back (``malloc_trim``):
+    what the process holds, not what glibc keeps in its arenas."""
+    import gc
+
+    from overlap_ckpt.core.buffers import trim_host_memory
+
+    gc.collect()
+    trim_host_memory()
+    return _rss_now()
+
+
 def _rss_peak() -> int:
     """High-water mark of this process's RSS (bytes)."""
     try:
