@@ -61,6 +61,12 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramRepo
         compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
         seconds = time.perf_counter() - started
         assignments = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
+        if not assignments and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
+            raise RuntimeError(
+                f"{name} was not compiled but loaded from JAX's persistent compilation cache "
+                f"({jax.config.jax_compilation_cache_dir}), so the compiler dumped nothing to read. "
+                "Call jax.config.update('jax_enable_compilation_cache', False) before this process "
+                "compiles anything (`overlap-ckpt aot` does).")
         if len(assignments) != 1:
             raise RuntimeError(f"expected one buffer assignment dump for {name}, found {len(assignments)} in {dump}")
         with open(assignments[0]) as f:

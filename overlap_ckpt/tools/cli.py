@@ -440,6 +440,10 @@ def cmd_aot(args) -> int:
     # Compiling needs no accelerator: keep jax's runtime on the CPU so the CUDA plugin
     # registers without a GPU (its runtime check is skipped) and libtpu claims no chip.
     jax.config.update("jax_platforms", "cpu")
+    # The report reads what the compiler dumps while it compiles; a persistent compilation
+    # cache the user has set (JAX_COMPILATION_CACHE_DIR) would answer from an earlier compile
+    # of the same program, with nothing dumped: every program here is compiled.
+    jax.config.update("jax_enable_compilation_cache", False)
     from ..aot import TargetError, get_target
     from ..aot.benchmark import aot_report
 

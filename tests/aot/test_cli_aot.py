@@ -1,17 +1,22 @@
 """``overlap-ckpt aot`` end to end on the CPU target (no plugin needed), and its refusals."""
 
+import os
 import subprocess
 import sys
 
 
-def aot(*args, timeout=600):
+def aot(*args, timeout=600, env=None):
     return subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "aot", *args],
-                          capture_output=True, text=True, timeout=timeout)
+                          capture_output=True, text=True, timeout=timeout, env=env)
 
 
 def test_cpu_report(tmp_path):
+    # With JAX's persistent compilation cache set, as many users have it: the user step is the
+    # plain step's program, which the cache would answer without a compile (nothing dumped).
+    cache = {"JAX_COMPILATION_CACHE_DIR": str(tmp_path / "cache"), "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+             "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "-1"}
     out = tmp_path / "report.md"
-    r = aot("--target", "cpu", "--model", "tiny", "--k", "1", "--output", str(out))
+    r = aot("--target", "cpu", "--model", "tiny", "--k", "1", "--output", str(out), env={**os.environ, **cache})
     assert r.returncode == 0, r.stderr[-3000:]
     text = out.read_text()
     assert text == r.stdout.rstrip("\n") + "\n"

@@ -7,6 +7,8 @@ import jax.numpy as jnp
 from overlap_ckpt.aot.hlo import device_copies, device_temp_bytes, entry_instructions, host_copies
 from overlap_ckpt.aot.programs import compile_program, fingerprint
 
+from conftest import run_python
+
 SCHEDULED = r'''HloModule jit_step, is_scheduled=true
 
 FileNames
@@ -78,3 +80,25 @@ def test_temporaries_from_the_buffer_assignment_agree_with_memory_analysis_on_th
     args = (jax.ShapeDtypeStruct((256, 512), jnp.float32), jax.ShapeDtypeStruct((64, 256), jnp.float32))
     report, compiled = compile_program("toy", jax.jit(step).lower(*args))
     assert report.memory.temp == compiled.memory_analysis().temp_size_in_bytes > 0
+
+
+def test_a_program_the_persistent_cache_answers_is_refused_with_the_fix(tmp_path):
+    """The compiler dumps only what it compiles: a program loaded from JAX's persistent
+    compilation cache has no buffer assignment to read, which is said with the fix."""
+    code = f"""
+import jax, jax.numpy as jnp
+jax.config.update("jax_compilation_cache_dir", {str(tmp_path)!r})
+jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+from overlap_ckpt.aot.programs import compile_program
+lowered = jax.jit(lambda x: jnp.sin(x) @ x).lower(jax.ShapeDtypeStruct((64, 64), jnp.float32))
+compile_program("first", lowered)
+try:
+    compile_program("second", lowered)
+except RuntimeError as e:
+    print(e)
+"""
+    proc = run_python(code)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "second was not compiled but loaded from JAX's persistent compilation cache" in proc.stdout
+    assert "jax.config.update('jax_enable_compilation_cache', False)" in proc.stdout

@@ -287,6 +287,7 @@ def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path
     """The host replay's programs compile on the compile-ahead thread too, not on the replay
     thread at the first window (where XLA's working memory added to the window's own)."""
     replay_compiles = compile_threads("jit(run)")  # the thread of every compile of the replay's program
+    zeros_compiles = compile_threads("jit(zeros)")  # and of its first calls' output buffers
 
     replayed_step = own_step("replayed_step", jnp.cos)
 
@@ -295,10 +296,12 @@ def test_compile_ahead_compiles_the_host_replay_before_the_first_window(tmp_path
         compiling = mngr.compile_ahead(replayed_step, state, batch(0))
         state = mngr.step(replayed_step(state, batch(0)))
         compiling.join()
-        ahead = list(replay_compiles)
+        ahead, zeros_ahead = list(replay_compiles), list(zeros_compiles)
         for t in range(1, 13):
             state = mngr.step(replayed_step(state, batch(t)))
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8, 12]
     assert ahead and set(ahead) == {"overlap-ckpt-compile-ahead"}, ahead
     assert replay_compiles == ahead, replay_compiles  # none at the windows
+    assert zeros_ahead and set(zeros_ahead) == {"overlap-ckpt-compile-ahead"}, zeros_ahead
+    assert zeros_compiles == zeros_ahead, zeros_compiles
