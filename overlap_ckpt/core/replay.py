@@ -425,6 +425,7 @@ class ReplayPrograms:
         # argument is not donated (the outputs would go to fresh memory again).
         self._run = jax.jit(run, donate_argnums=3, keep_unused=True)
         self._run_in_place = jax.jit(run, donate_argnums=0, keep_unused=True)
+
         def zeros(signature):  # the plan's own function: jit caches by function, so its
             return _zeros(signature)  # programs are freed with the plan, as run's are
 
@@ -693,6 +694,7 @@ def _in_argument_order(outs: list[Any], advanced: list[int]) -> list[Any]:
 
 
 def _signature(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    """Shapes and dtypes of ``arrays``, hashable: the static argument of :func:`_zeros`."""
     return tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in arrays)
 
 
