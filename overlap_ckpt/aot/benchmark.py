@@ -7,14 +7,16 @@ import dataclasses
 import time
 from typing import Callable
 
+import jax
+
 from .. import costmodel
 from . import predict
-from .cpu_check import calibrate
+from . import cpu_check, device_check
 from .lm_step import LMSetup, lm_setup, lower_reference, lower_with, plan_window
 from .programs import compile_program
 from .report import markdown
 from .targets import Target
-from .window import WindowReport, compile_phases
+from .window import WindowReport, compiled_phases
 
 MAX_K = 16
 
@@ -37,7 +39,10 @@ class AotRun:
     cost: predict.StepCost
     labels: dict[int, str]  # K -> why it is compiled
     started: float
+    plain_program: jax.stages.Compiled
     windows: dict[int, WindowReport] = dataclasses.field(default_factory=dict)
+    # K -> its phases' executables, kept only where they will run (a gpu target, measured)
+    phase_programs: dict[int, tuple[jax.stages.Compiled, ...]] = dataclasses.field(default_factory=dict)
 
     def notes(self) -> list[str]:
         setup, target, plain = self.setup, self.probe.target, self.probe.plain
@@ -58,20 +63,32 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
                batch_per_device: int = 4, log=print, measure: bool = False,
                on_progress: Callable[[str], None] = lambda text: None) -> tuple[str, dict[int, WindowReport]]:
     """Compile and report. ``ks`` None: K=1, what ``window="auto"`` picks at each interval,
-    and the best K of the model; else exactly these K. ``measure`` (cpu target only): run
-    the step and a blocking state copy and set them beside the prediction. ``on_progress``
-    gets the report so far after each K (a 1B model on a TPU takes long to compile)."""
+    and the best K of the model; else exactly these K. ``measure`` (a target whose devices
+    are here: cpu or gpu): run the programs and set them beside the prediction.
+    ``on_progress`` gets the report so far after each K (a 1B model on a TPU takes long to
+    compile)."""
+    if measure and not target.local:
+        raise ValueError(f"measuring runs the programs: target {target.name} is compile-only")
     run = _start(target, model, ks, intervals, batch_per_device, log)
     lower = lower_with(run.setup)
+    keep = measure and target.platform == "gpu"
     for k in sorted(run.labels):
         plan = run.probe.plan if k == 1 else plan_window(run.setup, k)
-        run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=compile_phases(lower, plan))
+        compiled = list(compiled_phases(lower, plan))
+        run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=tuple(r for r, _ in compiled))
+        if keep:
+            run.phase_programs[plan.k] = tuple(program for _, program in compiled)
+        del compiled
         run.labels.setdefault(plan.k, run.labels[k])
         log(f"K={plan.k}: {plan.k} phases compiled")
         on_progress(run.markdown(model, list(intervals)))
     text = run.markdown(model, list(intervals))
-    if measure:
-        text += "\n" + calibrate(run.setup, run.probe, run.cost).markdown()
+    if measure and target.platform == "cpu":
+        text += "\n" + cpu_check.calibrate(run.setup, run.probe, run.cost).markdown()
+    elif measure:
+        log("running the programs on the device")
+        text += "\n" + device_check.calibrate(run.setup, run.cost, run.plain_program, run.windows,
+                                               run.phase_programs, log=log).markdown(intervals)
     return text, run.windows
 
 
@@ -79,15 +96,15 @@ def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log
     """The plain and user steps compiled, the step cost predicted and the K to compile chosen."""
     started = time.perf_counter()
     setup = lm_setup(target, model, batch_per_device)
-    plain, _ = compile_program("plain step", lower_with(setup)(None))
+    plain, plain_program = compile_program("plain step", lower_with(setup)(None))
     log(f"plain step compiled in {plain.compile_s:.1f} s")
     reference, _ = compile_program("user step", lower_reference(setup))
     probe = WindowReport(target, plan_window(setup, 1), plain, (), reference)
     cost = predict.step_cost(probe, setup.train_flops() / len(target.devices))
     if ks is not None:
-        return AotRun(setup, probe, cost, {k: "given" for k in ks}, started)
+        return AotRun(setup, probe, cost, {k: "given" for k in ks}, started, plain_program)
     labels = {1: ["1"]}
     for k, why in [*((predict.auto_k(probe, cost, n), f"auto at N={n}") for n in intervals),
                    (best_k(probe, cost), "best")]:
         labels.setdefault(k, []).append(why)
-    return AotRun(setup, probe, cost, {k: ", ".join(whys) for k, whys in labels.items()}, started)
+    return AotRun(setup, probe, cost, {k: ", ".join(whys) for k, whys in labels.items()}, started, plain_program)

@@ -1,4 +1,5 @@
-"""The H100 as XLA's GPU compiler sees it, for compiling without the GPU.
+"""The H100 as XLA's GPU compiler sees it, for compiling without the GPU, and the H200's
+numbers for running on one.
 
 The values are those of XLA's own description of an H100 SXM
 (``xla/backends/gpu/target_config/specs/h100_sxm.txtpb`` in openxla/xla), trimmed to the
@@ -49,3 +50,10 @@ H100_PCIE_BYTES_PER_S = 34_359_738_368
 # bf16 tensor-core rate of the spec's matrix_unit_description (key 16 = BF16): clock
 # 1.8295201 GHz x 4 units per core x 512 ops per clock x 132 cores, 2 flops per op.
 H100_BF16_FLOPS = 1.8295201e9 * 4 * 512 * 132 * 2
+
+# The H200 (SXM) is the H100's chip with more and faster memory; XLA has no description of
+# it to compile for, so these figures serve predictions on a real H200 only. HBM bandwidth
+# and size from NVIDIA's H200 datasheet (4.8 TB/s, 141 GB); the bf16 rate is the H100's
+# (same chip and clocks) and the host link the H100 spec's (both PCIe Gen5 x16): assumptions.
+H200_HBM_BYTES_PER_S = 4_800_000_000_000
+H200_DEVICE_MEMORY_BYTES = 141_000_000_000

@@ -30,8 +30,10 @@ _ARRAY = re.compile(r"([a-z0-9]+)\[([0-9,]*)\]")
 _NAME = re.compile(r"%([\w.\-]+)")
 _OP_NAME = re.compile(r'op_name="((?:[^"\\]|\\.)*)"')
 _QUEUE = re.compile(r'"operation_queue_id":"(\d+)"')
-# "allocation 306: size 5259776, preallocated-temp:" (device memory: no color, or color 0)
-_TEMP_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), (?:color (\d+), )?preallocated-temp:", re.M)
+# "allocation 306: size 5259776, preallocated-temp:" (device memory: no color, or color 0);
+# newer XLA (jax 0.11) writes "allocation 549: size 262293024, page 0, preallocated-temp:".
+_TEMP_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), ((?:[a-z]+ \d+, )*)preallocated-temp:", re.M)
+_COLOR = re.compile(r"\bcolor (\d+)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -197,4 +199,9 @@ def device_temp_bytes(buffer_assignment: str) -> int:
     dump (``*after_optimizations-buffer-assignment.txt``): its preallocated temp blocks in
     memory space 0. The other spaces are on-chip scratch (TPU VMEM, SMEM) or host memory
     (5), which the outbox is counted in."""
-    return sum(int(size) for size, color in _TEMP_ALLOCATION.findall(buffer_assignment) if color in ("", "0"))
+    total = 0
+    for size, attributes in _TEMP_ALLOCATION.findall(buffer_assignment):
+        color = _COLOR.search(attributes)
+        if color is None or color.group(1) == "0":
+            total += int(size)
+    return total

@@ -54,7 +54,8 @@ def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str
     """The whole report for one target (the programs of every compiled K)."""
     first = next(iter(windows.values()))
     target, plain = first.target, first.plain
-    lines = [f"# overlap-ckpt aot: {model} on {target.name} ({len(target.devices)} device(s), compile-only)", ""]
+    where = "this machine's" if target.local else "compile-only"
+    lines = [f"# overlap-ckpt aot: {model} on {target.name} ({len(target.devices)} device(s), {where})", ""]
     lines += [f"- {n}" for n in notes]
     verdict = {None: "not compared", True: "yes", False: "NO"}[first.plain_is_users_program]
     lines += [f"- plain step's optimized HLO equals the user's step compiled without overlap_ckpt: **{verdict}** "

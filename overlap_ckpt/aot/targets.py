@@ -38,6 +38,7 @@ class Target:
     peak_flops: float  # dense bf16 (f32 on the CPU), per device
     device_memory_bytes: float
     sources: str  # where the numbers come from, for reports
+    local: bool = False  # the devices are this machine's: the programs can also run
 
     def mesh(self, axis: str = "fsdp") -> jax.sharding.Mesh:
         """All the target's devices on one axis (the FSDP layout the reports use)."""
@@ -57,15 +58,18 @@ TPU_HOST_LINK_BYTES_PER_S = 25 * GB
 
 
 def get_target(name: str, *, host_gbps: float | None = None) -> Target:
-    """``"cpu"``, ``"h100"`` or a TPU topology such as ``"v5e:2x2"`` / ``"v6e:2x4"``."""
+    """``"cpu"``, ``"h100"``, a TPU topology such as ``"v5e:2x2"`` / ``"v6e:2x4"``, or
+    ``"gpu"``: this machine's own GPUs, where the programs can also run (``--measure``)."""
     if name == "cpu":
         return _cpu_target(host_gbps)
     if name == "h100":
         return _h100_target(host_gbps)
+    if name == "gpu":
+        return _local_gpu_target(host_gbps)
     generation = name.split(":")[0]
     if generation in _TPU and ":" in name:
         return _tpu_target(name, generation, host_gbps)
-    raise TargetError(f"unknown target {name!r}: use cpu, h100 or a TPU topology "
+    raise TargetError(f"unknown target {name!r}: use cpu, gpu, h100 or a TPU topology "
                       f"<generation>:<shape> with generation in {sorted(_TPU)} (e.g. v5e:2x2)")
 
 
@@ -89,13 +93,28 @@ def tpu_hardware(generation: str, host_gbps: float | None = None) -> Hardware:
                     f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
 
 
+def _host_link(host_gbps: float | None) -> tuple[float, str]:
+    if host_gbps:
+        return host_gbps * GB, "given"
+    return gpu_specs.H100_PCIE_BYTES_PER_S, "pcie_bandwidth of the spec"
+
+
+def h200_hardware(host_gbps: float | None = None) -> Hardware:
+    host, where = _host_link(host_gbps)
+    return Hardware(gpu_specs.H100_BF16_FLOPS, gpu_specs.H200_HBM_BYTES_PER_S, host,
+                    gpu_specs.H200_DEVICE_MEMORY_BYTES,
+                    f"H200 SXM: HBM {gpu_specs.H200_HBM_BYTES_PER_S / GB:.0f} GB/s (NVIDIA datasheet), bf16 peak "
+                    f"{gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (the H100's, same chip); host link "
+                    f"{host / GB:.1f} GB/s ({where}" + ("" if host_gbps else " of XLA's H100: both PCIe Gen5 x16") + ")")
+
+
 def h100_hardware(host_gbps: float | None = None) -> Hardware:
-    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
+    host, where = _host_link(host_gbps)
     return Hardware(gpu_specs.H100_BF16_FLOPS, gpu_specs.H100_HBM_BYTES_PER_S, host,
                     gpu_specs.H100_DEVICE_MEMORY_BYTES,
                     f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s, "
                     f"bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
-                    f"{host / GB:.1f} GB/s ({'given' if host_gbps else 'pcie_bandwidth of the spec'})")
+                    f"{host / GB:.1f} GB/s ({where})")
 
 
 # jax's device_kind of each TPU generation (compile-only topologies report the same).
@@ -103,14 +122,16 @@ _TPU_KINDS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5": 
               "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
 
 
-def hardware_of(device: Any) -> Hardware | None:
+def hardware_of(device: Any, host_gbps: float | None = None) -> Hardware | None:
     """The numbers of a real (or compile-only) device from its ``device_kind``; None for a
     kind this module has no figures for (``window="auto"`` then measures instead)."""
     kind = str(getattr(device, "device_kind", "")).strip().lower()
     if kind in _TPU_KINDS:
-        return tpu_hardware(_TPU_KINDS[kind])
+        return tpu_hardware(_TPU_KINDS[kind], host_gbps)
     if "h100" in kind:
-        return h100_hardware()
+        return h100_hardware(host_gbps)
+    if "h200" in kind:
+        return h200_hardware(host_gbps)
     return None
 
 
@@ -130,9 +151,9 @@ def _tpu_target(name: str, generation: str, host_gbps: float | None) -> Target:
     return _target(name, "tpu", topology.devices, tpu_hardware(generation, host_gbps))
 
 
-def _target(name: str, platform: str, devices: Any, hw: Hardware) -> Target:
+def _target(name: str, platform: str, devices: Any, hw: Hardware, local: bool = False) -> Target:
     return Target(name, platform, tuple(devices), hw.hbm_bytes_per_s, hw.host_link_bytes_per_s, hw.peak_flops,
-                  hw.device_memory_bytes, hw.sources)
+                  hw.device_memory_bytes, hw.sources, local)
 
 
 def _h100_target(host_gbps: float | None) -> Target:
@@ -149,6 +170,24 @@ def _h100_target(host_gbps: float | None) -> Target:
     return _target("h100", "gpu", topology.devices, h100_hardware(host_gbps))
 
 
+def _local_gpu_target(host_gbps: float | None) -> Target:
+    """This machine's GPUs: the programs compile for the real device and can run on it, so
+    the prediction can be set beside a measurement (:mod:`overlap_ckpt.aot.device_check`)."""
+    try:
+        devices = jax.devices("gpu")
+    except RuntimeError:
+        devices = []
+    if not devices:
+        raise TargetError("target 'gpu' runs on this machine's GPU and JAX sees none here "
+                          f"(backends: {jax.default_backend()}); to compile for an H100 without one, "
+                          "use --target h100")
+    hardware = hardware_of(devices[0], host_gbps)
+    if hardware is None:
+        raise TargetError(f"target 'gpu': no figures for a {devices[0].device_kind!r} (known: H100, H200); "
+                          "the prediction needs its peak rate and bandwidths")
+    return _target(f"gpu ({devices[0].device_kind})", "gpu", devices, hardware, local=True)
+
+
 def _cpu_target(host_gbps: float | None) -> Target:
     """This machine's CPU devices, with measured numbers: the one target where the
     prediction can be checked against a run (:mod:`overlap_ckpt.aot.calibrate`)."""
@@ -160,4 +199,4 @@ def _cpu_target(host_gbps: float | None) -> Target:
     return Target("cpu", "cpu", tuple(jax.devices("cpu")), memory, host, flops, float("inf"),
                   f"this CPU, measured (fastest of 7): f32 matmul {flops / 1e9:.1f} GFLOP/s, memory traffic "
                   f"of a warm copy {memory / GB:.1f} GB/s (the HBM figure), a copy into fresh host memory "
-                  f"{host / GB:.1f} GB/s (the host link: Orbax's blocking copy on this backend)")
+                  f"{host / GB:.1f} GB/s (the host link: Orbax's blocking copy on this backend)", local=True)

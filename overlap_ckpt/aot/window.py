@@ -9,7 +9,7 @@ programs, so they are checked on the compiled programs, for the target, without 
 from __future__ import annotations
 
 import dataclasses
-from typing import Callable
+from typing import Callable, Iterator
 
 import jax
 
@@ -119,5 +119,11 @@ def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
 
 def compile_phases(lower: LowerStep, plan: CapturePlan) -> tuple[ProgramReport, ...]:
     """The K window phases of ``plan`` (to set beside an already compiled plain step)."""
-    return tuple(compile_program(f"phase {j} of {plan.k}", lower(WindowTicket(plan, j)))[0]
-                 for j in range(plan.k))
+    return tuple(report for report, _ in compiled_phases(lower, plan))
+
+
+def compiled_phases(lower: LowerStep, plan: CapturePlan) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
+    """Each window phase of ``plan``, read and compiled: the executable for a target whose
+    devices are here to run it (``overlap-ckpt aot --target gpu --measure``)."""
+    for j in range(plan.k):
+        yield compile_program(f"phase {j} of {plan.k}", lower(WindowTicket(plan, j)))

@@ -437,9 +437,10 @@ def cmd_simulate(args) -> int:
 def cmd_aot(args) -> int:
     import jax
 
-    # Compiling needs no accelerator: keep jax's runtime on the CPU so the CUDA plugin
-    # registers without a GPU (its runtime check is skipped) and libtpu claims no chip.
-    jax.config.update("jax_platforms", "cpu")
+    if args.target != "gpu":
+        # Compiling needs no accelerator: keep jax's runtime on the CPU so the CUDA plugin
+        # registers without a GPU (its runtime check is skipped) and libtpu claims no chip.
+        jax.config.update("jax_platforms", "cpu")
     # The report reads what the compiler dumps while it compiles; a persistent compilation
     # cache the user has set (JAX_COMPILATION_CACHE_DIR) would answer from an earlier compile
     # of the same program, with nothing dumped: every program here is compiled.
@@ -447,8 +448,9 @@ def cmd_aot(args) -> int:
     from ..aot import TargetError, get_target
     from ..aot.benchmark import aot_report
 
-    if args.measure and args.target != "cpu":
-        raise UserError("--measure runs the step, so it needs the device: use it with --target cpu")
+    if args.measure and args.target not in ("cpu", "gpu"):
+        raise UserError("--measure runs the programs, so it needs the device: use it with --target cpu, "
+                        "or --target gpu on a machine with a GPU")
     try:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
@@ -508,7 +510,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(func=cmd_simulate)
     a = sub.add_parser("aot", help="compile a benchmark model's window programs for an H100 or a TPU "
                                    "slice without one; report copies, memory, predicted stall")
-    a.add_argument("--target", required=True, help="h100, cpu, or a TPU topology such as v5e:2x2, v6e:2x2")
+    a.add_argument("--target", required=True,
+                   help="h100, a TPU topology such as v5e:2x2, v6e:2x2 (compile-only), cpu, or gpu (this machine's)")
     a.add_argument("--model", default="1b", choices=sorted(LMConfig.PRESETS), help="benchmark LM preset")
     a.add_argument("--k", type=int, nargs="+", default=None,
                    help="window sizes to compile (default: 1, what window='auto' picks, the best)")
@@ -518,7 +521,7 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--output", default=None, help="also write the markdown report here")
     a.add_argument("--check", action="store_true", help="exit 1 when a window program fails the check")
     a.add_argument("--measure", action="store_true",
-                   help="cpu target only: also run the step and a blocking state copy, beside the prediction")
+                   help="cpu and gpu targets: also run the programs here and set them beside the prediction")
     a.set_defaults(func=cmd_aot)
     return p
 

@@ -33,3 +33,9 @@ def test_unknown_target_is_one_line_naming_the_choices():
 def test_measure_needs_the_cpu_target():
     r = aot("--target", "v5e:2x2", "--measure")
     assert r.returncode == 1 and "--measure" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_the_gpu_target_without_a_gpu_is_one_line_naming_the_compile_only_target():
+    r = aot("--target", "gpu", "--measure", env={**os.environ, "JAX_PLATFORMS": "cpu"})
+    assert r.returncode == 1 and "JAX sees none" in r.stderr and "--target h100" in r.stderr
+    assert "Traceback" not in r.stderr

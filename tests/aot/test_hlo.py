@@ -64,11 +64,15 @@ allocation 2: size 5571072, preallocated-temp:
 allocation 3: size 3887616, color 1, preallocated-temp:
 allocation 4: size 4096, color 4, preallocated-temp:
 allocation 5: size 1024, color 0, preallocated-temp:
+allocation 6: size 262293024, page 0, preallocated-temp:
+allocation 7: size 2048, page 0, color 1, preallocated-temp:
 """
 
 
 def test_device_temporaries_are_the_preallocated_temp_in_device_memory_only():
-    assert device_temp_bytes(BUFFER_ASSIGNMENT) == 5571072 + 1024
+    # allocations 6 and 7 as XLA of jax 0.11 writes them (a page before the color), read off
+    # a real H200's dump, where memory_analysis gave the same 262293024 bytes of temporaries
+    assert device_temp_bytes(BUFFER_ASSIGNMENT) == 5571072 + 1024 + 262293024
 
 
 def test_temporaries_from_the_buffer_assignment_agree_with_memory_analysis_on_the_cpu():

@@ -1,0 +1,38 @@
+#!/usr/bin/env bash
+# The GPU check, in one call on a machine with one GPU (H100 or H200, CUDA jaxlib installed),
+# sized for a short loan (about 8 minutes of device time):
+#   1. `overlap-ckpt aot --target gpu --measure`: the 1B LM's plain step and its K=1 and K=4
+#      window phases compiled for the real device (same report as the compile-only
+#      benchmarks/results/aot_h100_1b.md), then run, beside the prediction;
+#   2. `benchmarks.run` on the 100M LM: the managers end to end (capture, host replay,
+#      persist) against stock Orbax async, at a checkpoint every 10 steps.
+# Usage: bash benchmarks/gpu_check.sh OUT_DIR   (from the repository root)
+set -u
+out=${1:-${OUT:-gpu_check_out}}
+mkdir -p "$out"
+py=${PYTHON:-python3}
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1 TF_CPP_MIN_LOG_LEVEL=2
+
+{
+  date -u
+  nvidia-smi --query-gpu=name,memory.total,driver_version,clocks.sm,clocks.mem --format=csv
+  echo "cpus: $(nproc)"; free -g | head -2; df -h /tmp | tail -1
+  $py -c "from importlib.metadata import version
+import jax
+print(*(f'{n} {version(n)}' for n in ('jax', 'jaxlib', 'flax', 'optax', 'orbax-checkpoint', 'tensorstore', 'numpy')))
+print(jax.devices())"
+} > "$out/env.txt" 2>&1
+cat "$out/env.txt"
+
+timeout "${AOT_TIMEOUT:-330}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
+    --k 1 4 --measure --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
+echo "aot: exit $?"
+tail -n 8 "$out/aot_gpu_1b.log"
+
+timeout "${RUN_TIMEOUT:-230}" $py -m benchmarks.run --model 100m --platform gpu --batch-size 32 --intervals 10 \
+    --steps 40 --configs orbax_async overlap_k1 overlap_auto overlap_k3 --restore-repeats 1 --raw-repeats 1 \
+    --compile-cache --timeout 150 --out "$out/gpu_100m" > "$out/gpu_100m.log" 2>&1
+echo "run: exit $?"
+tail -n 25 "$out/gpu_100m.log"
+[ -f "$out/gpu_100m.md" ] && cat "$out/gpu_100m.md"
+[ -f "$out/aot_gpu_1b.md" ] && sed -n '/## Programs/,$p' "$out/aot_gpu_1b.md"
