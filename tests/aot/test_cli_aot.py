@@ -30,7 +30,7 @@ def test_unknown_target_is_one_line_naming_the_choices():
     assert r.returncode == 1 and "unknown target 'v9z:2x2'" in r.stderr and "Traceback" not in r.stderr
 
 
-def test_measure_needs_the_cpu_target():
+def test_measure_needs_a_target_whose_devices_are_here():
     r = aot("--target", "v5e:2x2", "--measure")
     assert r.returncode == 1 and "--measure" in r.stderr and "Traceback" not in r.stderr
 

@@ -116,3 +116,10 @@ def test_a_gpus_step_time_comes_from_the_callers_flops_not_xla_gpus_cost_analysi
     cost = predict.step_cost(report, flops_hint=1.03e14)
     assert cost.flops == 1.03e14
     assert abs(cost.step_time_s - 1.03e14 / (gpu_specs.H100_BF16_FLOPS * predict.MFU)) < 1e-12
+
+
+def test_orbax_stall_is_timed_on_stock_orbax_and_leaves_nothing_behind(tmp_path):
+    tree = {"w": jnp.arange(1024.0).reshape(32, 32), "b": jnp.ones(32)}
+    seconds = device_check.measure_orbax_save_block_s(tree, directory=str(tmp_path), saves=2)
+    assert seconds > 0
+    assert list(tmp_path.iterdir()) == []  # its checkpoints and directory removed
