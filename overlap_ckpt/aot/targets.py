@@ -93,28 +93,26 @@ def tpu_hardware(generation: str, host_gbps: float | None = None) -> Hardware:
                     f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
 
 
-def _host_link(host_gbps: float | None) -> tuple[float, str]:
-    if host_gbps:
-        return host_gbps * GB, "given"
-    return gpu_specs.H100_PCIE_BYTES_PER_S, "pcie_bandwidth of the spec"
+def _gpu_hardware(hbm_bytes_per_s: float, memory_bytes: float, described: str, host_gbps: float | None,
+                  link_note: str = "") -> Hardware:
+    """A Hopper GPU: the H100's bf16 rate, and XLA's H100 PCIe figure unless ``host_gbps``."""
+    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
+    where = "given" if host_gbps else "pcie_bandwidth of the spec" + link_note
+    return Hardware(gpu_specs.H100_BF16_FLOPS, hbm_bytes_per_s, host, memory_bytes,
+                    f"{described}, bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
+                    f"{host / GB:.1f} GB/s ({where})")
 
 
 def h200_hardware(host_gbps: float | None = None) -> Hardware:
-    host, where = _host_link(host_gbps)
-    return Hardware(gpu_specs.H100_BF16_FLOPS, gpu_specs.H200_HBM_BYTES_PER_S, host,
-                    gpu_specs.H200_DEVICE_MEMORY_BYTES,
-                    f"H200 SXM: HBM {gpu_specs.H200_HBM_BYTES_PER_S / GB:.0f} GB/s (NVIDIA datasheet), bf16 peak "
-                    f"{gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s (the H100's, same chip); host link "
-                    f"{host / GB:.1f} GB/s ({where}" + ("" if host_gbps else " of XLA's H100: both PCIe Gen5 x16") + ")")
+    return _gpu_hardware(gpu_specs.H200_HBM_BYTES_PER_S, gpu_specs.H200_DEVICE_MEMORY_BYTES,
+                         f"H200 SXM (the H100's chip): HBM {gpu_specs.H200_HBM_BYTES_PER_S / GB:.0f} GB/s (NVIDIA "
+                         "datasheet)", host_gbps, " of XLA's H100: both PCIe Gen5 x16")
 
 
 def h100_hardware(host_gbps: float | None = None) -> Hardware:
-    host, where = _host_link(host_gbps)
-    return Hardware(gpu_specs.H100_BF16_FLOPS, gpu_specs.H100_HBM_BYTES_PER_S, host,
-                    gpu_specs.H100_DEVICE_MEMORY_BYTES,
-                    f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s, "
-                    f"bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
-                    f"{host / GB:.1f} GB/s ({where})")
+    return _gpu_hardware(gpu_specs.H100_HBM_BYTES_PER_S, gpu_specs.H100_DEVICE_MEMORY_BYTES,
+                         f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s",
+                         host_gbps)
 
 
 # jax's device_kind of each TPU generation (compile-only topologies report the same).
