@@ -78,7 +78,6 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
         run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=tuple(r for r, _ in compiled))
         if keep:
             run.phase_programs[plan.k] = tuple(program for _, program in compiled)
-        del compiled
         run.labels.setdefault(plan.k, run.labels[k])
         log(f"K={plan.k}: {plan.k} phases compiled")
         on_progress(run.markdown(model, list(intervals)))

@@ -47,7 +47,7 @@ def step_cost(report: WindowReport, flops_hint: float | None = None, mfu: float 
     flops, source = report.plain.flops, "compiled cost analysis"
     if flops and target.platform == "gpu" and flops_hint:
         # XLA:GPU's analysis of the optimized program undercounts: the 1B LM's step on an
-        # H200 (jax 0.11.2) counted 2.75e13 flops where 6N per token gives 1.03e14, its
+        # H200 (jax 0.11.2) counted 2.5-2.75e13 flops where 6N per token gives 1.03e14, its
         # matmuls being library calls by then.
         flops, source = flops_hint, (f"caller's estimate (XLA:GPU's cost analysis of the optimized program "
                                      f"counts {report.plain.flops:.3g}, which undercounts its library matmuls)")

@@ -114,16 +114,11 @@ def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
     """
     plain, _ = compile_program("plain step", lower(None))
     ref = compile_program("user step", reference)[0] if reference is not None else None
-    return WindowReport(target, plan, plain, compile_phases(lower, plan), ref)
-
-
-def compile_phases(lower: LowerStep, plan: CapturePlan) -> tuple[ProgramReport, ...]:
-    """The K window phases of ``plan`` (to set beside an already compiled plain step)."""
-    return tuple(report for report, _ in compiled_phases(lower, plan))
+    return WindowReport(target, plan, plain, tuple(report for report, _ in compiled_phases(lower, plan)), ref)
 
 
 def compiled_phases(lower: LowerStep, plan: CapturePlan) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
-    """Each window phase of ``plan``, read and compiled: the executable for a target whose
-    devices are here to run it (``overlap-ckpt aot --target gpu --measure``)."""
+    """Each window phase of ``plan``, read, with its executable (which runs where the
+    target's devices are here: ``overlap-ckpt aot --target gpu --measure``)."""
     for j in range(plan.k):
         yield compile_program(f"phase {j} of {plan.k}", lower(WindowTicket(plan, j)))
