@@ -24,12 +24,12 @@ print(jax.devices())"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-timeout "${AOT_TIMEOUT:-330}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
+timeout "${AOT_TIMEOUT:-360}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
     --k 1 4 --measure --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
 echo "aot: exit $?"
 tail -n 8 "$out/aot_gpu_1b.log"
 
-timeout "${RUN_TIMEOUT:-230}" $py -m benchmarks.run --model 100m --platform gpu --batch-size 32 --intervals 10 \
+timeout "${RUN_TIMEOUT:-200}" $py -m benchmarks.run --model 100m --platform gpu --batch-size 32 --intervals 10 \
     --steps 40 --configs orbax_async overlap_k1 overlap_auto overlap_k3 --restore-repeats 1 --raw-repeats 1 \
     --compile-cache --timeout 150 --out "$out/gpu_100m" > "$out/gpu_100m.log" 2>&1
 echo "run: exit $?"

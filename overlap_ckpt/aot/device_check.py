@@ -193,32 +193,38 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
               orbax: bool = True, log: Callable[[str], None] = lambda line: None) -> DeviceCalibration:
     """Run ``plain`` and every phase program of ``windows`` (``phase_programs[k][j]``, the
     compiled phase j of the K window) on the target's devices, and measure the host link
-    and Orbax's stall on the same state. ``log`` gets each figure as it is measured."""
+    and Orbax's stall on the same state. ``log`` gets each figure as it is measured, with
+    the seconds since the calibration began (a loan's time limit may stop it part way)."""
+    started = time.perf_counter()
+
+    def note(line: str) -> None:
+        log(f"[{time.perf_counter() - started:6.1f} s] {line}")
+
     report = next(iter(windows.values()))
     state = ChainedState(filled_like(setup.params, 0), filled_like(setup.opt_state, 1),
                          filled_like(setup.batch, 2), filled_like(setup.step, 3))
     plain_before = time_calls(plain, state)
-    log(f"plain step: {plain_before:.4f} s")
+    note(f"plain step: {plain_before:.4f} s")
     measured = {}
     for k, window in sorted(windows.items()):
         phases = []
         for j, (p, program) in enumerate(zip(window.phases, phase_programs[k])):
             phases.append(PhaseMeasurement(p.name, predict.copy_bytes(window, j), predict.phase_stall_s(window, cost, j),
                                            time_calls(program, state)))
-            log(f"{p.name}: {phases[-1].measured_s:.4f} s")
+            note(f"{p.name}: {phases[-1].measured_s:.4f} s")
         measured[k] = tuple(phases)
     plain_after = time_calls(plain, state)
-    log(f"plain step again, after the phases: {plain_after:.4f} s")
+    note(f"plain step again, after the phases: {plain_after:.4f} s")
     device = report.target.devices[0]
     tree = (state.params, state.opt_state)
     link = costmodel.measure_d2h_bandwidth(device, nbytes=HOST_LINK_PROBE_BYTES)
-    log(f"host link: {link / 1e9:.2f} GB/s")
+    note(f"host link: {link / 1e9:.2f} GB/s")
     device_get_s = measure_device_get_s(tree)
-    log(f"jax.device_get of the state: {device_get_s:.4f} s")
+    note(f"jax.device_get of the state: {device_get_s:.4f} s")
     save_s = None
     if orbax:
         save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state}, orbax_dir)
-        log(f"Orbax async save blocked for {save_s:.4f} s")
+        note(f"Orbax async save blocked for {save_s:.4f} s")
     return DeviceCalibration(str(device.device_kind), cost.step_time_s, (plain_before, plain_after),
                              report.target.host_link_bytes_per_s, link, predict.orbax_async_stall_s(report),
                              device_get_s, save_s, measured)

@@ -96,7 +96,7 @@ def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devi
     assert result.measured_orbax_save_block_s is None
     text = result.markdown((10,))
     assert "| phase 1 of 2 |" in text and "overlap K=2 window stall" in text
-    assert any(line.startswith("plain step again") for line in logged)
+    assert any("plain step again" in line for line in logged)
 
 
 def test_an_h200_has_its_own_memory_figures_and_the_h100s_rates():
