@@ -3,7 +3,8 @@
 # sized for a short loan (about 8 minutes of device time):
 #   1. `overlap-ckpt aot --target gpu --measure`: the 1B LM's plain step and its K=1 and K=4
 #      window phases compiled for the real device (same report as the compile-only
-#      benchmarks/results/aot_h100_1b.md), then run, beside the prediction;
+#      benchmarks/results/aot_h100_1b.md), then run, beside the prediction, and a profiler
+#      trace of the plain step and each K's largest phase (when does each copy run?);
 #   2. `benchmarks.run` on the 100M LM: the managers end to end (capture, host replay,
 #      persist) against stock Orbax async, at a checkpoint every 10 steps.
 # Usage: bash benchmarks/gpu_check.sh OUT_DIR   (from the repository root)
@@ -25,9 +26,11 @@ print(jax.devices())"
 cat "$out/env.txt"
 
 timeout "${AOT_TIMEOUT:-360}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
-    --k 1 4 --measure --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
+    --k 1 4 --measure --profile /tmp/gpu_check_profile --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
 echo "aot: exit $?"
-tail -n 8 "$out/aot_gpu_1b.log"
+tail -n 12 "$out/aot_gpu_1b.log"
+# the trace as one file (a loan returns few files); read it with jax.profiler.ProfileData
+[ -d /tmp/gpu_check_profile ] && tar czf "$out/profile.tgz" -C /tmp gpu_check_profile
 
 timeout "${RUN_TIMEOUT:-200}" $py -m benchmarks.run --model 100m --platform gpu --batch-size 32 --intervals 10 \
     --steps 40 --configs orbax_async overlap_k1 overlap_auto overlap_k3 --restore-repeats 1 --raw-repeats 1 \

@@ -61,12 +61,14 @@ class AotRun:
 
 def aot_report(target: Target, model: str, ks: list[int] | None = None, intervals: tuple[int, ...] = (10, 50),
                batch_per_device: int = 4, log=print, measure: bool = False,
-               on_progress: Callable[[str], None] = lambda text: None) -> tuple[str, dict[int, WindowReport]]:
+               on_progress: Callable[[str], None] = lambda text: None,
+               profile_dir: str | None = None) -> tuple[str, dict[int, WindowReport]]:
     """Compile and report. ``ks`` None: K=1, what ``window="auto"`` picks at each interval,
     and the best K of the model; else exactly these K. ``measure`` (a target whose devices
     are here: cpu or gpu): run the programs and set them beside the prediction.
     ``on_progress`` gets the report so far after each K (a 1B model on a TPU takes long to
-    compile)."""
+    compile). ``profile_dir`` (gpu, measured): a profiler trace of the plain step and of
+    each K's largest phase (see :func:`overlap_ckpt.aot.device_check.calibrate`)."""
     if measure and not target.local:
         raise ValueError(f"measuring runs the programs: target {target.name} is compile-only")
     run = _start(target, model, ks, intervals, batch_per_device, log)
@@ -87,7 +89,8 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
     elif measure:
         log("running the programs on the device")
         text += "\n" + device_check.calibrate(run.setup, run.cost, run.plain_program, run.windows,
-                                               run.phase_programs, log=log).markdown(intervals)
+                                               run.phase_programs, log=log,
+                                               profile_dir=profile_dir).markdown(intervals)
     return text, run.windows
 
 

@@ -190,11 +190,14 @@ class DeviceCalibration:
 
 def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[int, WindowReport],
               phase_programs: dict[int, Sequence[Any]], orbax_dir: str | None = None,
-              orbax: bool = True, log: Callable[[str], None] = lambda line: None) -> DeviceCalibration:
+              orbax: bool = True, log: Callable[[str], None] = lambda line: None,
+              profile_dir: str | None = None) -> DeviceCalibration:
     """Run ``plain`` and every phase program of ``windows`` (``phase_programs[k][j]``, the
     compiled phase j of the K window) on the target's devices, and measure the host link
     and Orbax's stall on the same state. ``log`` gets each figure as it is measured, with
-    the seconds since the calibration began (a loan's time limit may stop it part way)."""
+    the seconds since the calibration began (a loan's time limit may stop it part way).
+    ``profile_dir``: also trace one more call of the plain step and of each K's largest
+    phase there (:func:`jax.profiler.trace`), to see when a copy runs within the step."""
     started = time.perf_counter()
 
     def note(line: str) -> None:
@@ -215,6 +218,13 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
         measured[k] = tuple(phases)
     plain_after = time_calls(plain, state)
     note(f"plain step again, after the phases: {plain_after:.4f} s")
+    if profile_dir:
+        with jax.profiler.trace(profile_dir):
+            time_calls(plain, state, timed=1, warmup=0)
+            for k, window in sorted(windows.items()):
+                largest = max(range(k), key=lambda j: predict.copy_bytes(window, j))
+                time_calls(phase_programs[k][largest], state, timed=1, warmup=0)
+        note(f"traced the plain step and each K's largest phase into {profile_dir}")
     device = report.target.devices[0]
     tree = (state.params, state.opt_state)
     link = costmodel.measure_d2h_bandwidth(device, nbytes=HOST_LINK_PROBE_BYTES)

@@ -451,6 +451,8 @@ def cmd_aot(args) -> int:
     if args.measure and args.target not in ("cpu", "gpu"):
         raise UserError("--measure runs the programs, so it needs the device: use it with --target cpu, "
                         "or --target gpu on a machine with a GPU")
+    if args.profile and not (args.measure and args.target == "gpu"):
+        raise UserError("--profile traces the measured programs: use it with --target gpu --measure")
     try:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
@@ -462,7 +464,7 @@ def cmd_aot(args) -> int:
 
     text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
                                log=lambda line: print(line, file=sys.stderr), measure=args.measure,
-                               on_progress=write)
+                               on_progress=write, profile_dir=args.profile)
     write(text)
     print(text)
     failed = [k for k, w in windows.items() if w.violations()]
@@ -522,6 +524,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--check", action="store_true", help="exit 1 when a window program fails the check")
     a.add_argument("--measure", action="store_true",
                    help="cpu and gpu targets: also run the programs here and set them beside the prediction")
+    a.add_argument("--profile", default=None, metavar="DIR",
+                   help="with --target gpu --measure: a profiler trace of the plain step and each K's largest "
+                        "phase, written to DIR (when each copy runs within the step)")
     a.set_defaults(func=cmd_aot)
     return p
 

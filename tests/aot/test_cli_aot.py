@@ -39,3 +39,8 @@ def test_the_gpu_target_without_a_gpu_is_one_line_naming_the_compile_only_target
     r = aot("--target", "gpu", "--measure", env={**os.environ, "JAX_PLATFORMS": "cpu"})
     assert r.returncode == 1 and "JAX sees none" in r.stderr and "--target h100" in r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_profile_needs_the_gpu_measurement():
+    r = aot("--target", "cpu", "--profile", "/tmp/x")
+    assert r.returncode == 1 and "--target gpu --measure" in r.stderr and "Traceback" not in r.stderr

@@ -80,14 +80,15 @@ def test_each_timed_call_is_waited_for_and_the_state_chains_from_call_to_call():
     np.testing.assert_array_equal(state.params, np.full(4, 5.0))
 
 
-def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devices():
+def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devices(tmp_path):
     run = _start(get_target("cpu"), "tiny", [2], (10,), 4, log=lambda line: None)
     plan = plan_window(run.setup, 2)
     compiled = list(compiled_phases(lower_with(run.setup), plan))
     window = dataclasses.replace(run.probe, plan=plan, phases=tuple(r for r, _ in compiled))
     logged = []
     result = device_check.calibrate(run.setup, run.cost, run.plain_program, {2: window},
-                                    {2: tuple(p for _, p in compiled)}, orbax=False, log=logged.append)
+                                    {2: tuple(p for _, p in compiled)}, orbax=False, log=logged.append,
+                                    profile_dir=str(tmp_path))
     assert [p.name for p in result.windows[2]] == ["phase 0 of 2", "phase 1 of 2"]
     assert all(s > 0 for s in result.plain_s) and all(p.measured_s > 0 for p in result.windows[2])
     predicted, measured = result.window_stall_s(2)
@@ -97,6 +98,11 @@ def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devi
     text = result.markdown((10,))
     assert "| phase 1 of 2 |" in text and "overlap K=2 window stall" in text
     assert any("plain step again" in line for line in logged)
+    traces = list(tmp_path.rglob("*.xplane.pb"))
+    assert len(traces) == 1
+    events = {event.name for plane in jax.profiler.ProfileData.from_file(str(traces[0])).planes
+              for line in plane.lines for event in line.events}
+    assert any("jit(step)" in name for name in events), sorted(events)[:40]  # the programs ran inside it
 
 
 def test_an_h200_has_its_own_memory_figures_and_the_h100s_rates():
