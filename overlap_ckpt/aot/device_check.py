@@ -218,13 +218,6 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
         measured[k] = tuple(phases)
     plain_after = time_calls(plain, state)
     note(f"plain step again, after the phases: {plain_after:.4f} s")
-    if profile_dir:
-        with jax.profiler.trace(profile_dir):
-            time_calls(plain, state, timed=1, warmup=0)
-            for k, window in sorted(windows.items()):
-                largest = max(range(k), key=lambda j: predict.copy_bytes(window, j))
-                time_calls(phase_programs[k][largest], state, timed=1, warmup=0)
-        note(f"traced the plain step and each K's largest phase into {profile_dir}")
     device = report.target.devices[0]
     tree = (state.params, state.opt_state)
     link = costmodel.measure_d2h_bandwidth(device, nbytes=HOST_LINK_PROBE_BYTES)
@@ -235,6 +228,16 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
     if orbax:
         save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state}, orbax_dir)
         note(f"Orbax async save blocked for {save_s:.4f} s")
+    if profile_dir:
+        try:
+            with jax.profiler.trace(profile_dir):
+                time_calls(plain, state, timed=1, warmup=0)
+                for k, window in sorted(windows.items()):
+                    largest = max(range(k), key=lambda j: predict.copy_bytes(window, j))
+                    time_calls(phase_programs[k][largest], state, timed=1, warmup=0)
+            note(f"traced the plain step and each K's largest phase into {profile_dir}")
+        except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the figures
+            note(f"no trace: {type(e).__name__}: {e}")
     return DeviceCalibration(str(device.device_kind), cost.step_time_s, (plain_before, plain_after),
                              report.target.host_link_bytes_per_s, link, predict.orbax_async_stall_s(report),
                              device_get_s, save_s, measured)
