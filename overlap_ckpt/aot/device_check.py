@@ -189,9 +189,8 @@ class DeviceCalibration:
 
 
 def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[int, WindowReport],
-              phase_programs: dict[int, Sequence[Any]], orbax_dir: str | None = None,
-              orbax: bool = True, log: Callable[[str], None] = lambda line: None,
-              profile_dir: str | None = None) -> DeviceCalibration:
+              phase_programs: dict[int, Sequence[Any]], orbax: bool = True,
+              log: Callable[[str], None] = lambda line: None, profile_dir: str | None = None) -> DeviceCalibration:
     """Run ``plain`` and every phase program of ``windows`` (``phase_programs[k][j]``, the
     compiled phase j of the K window) on the target's devices, and measure the host link
     and Orbax's stall on the same state. ``log`` gets each figure as it is measured, with
@@ -226,7 +225,7 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
     note(f"jax.device_get of the state: {device_get_s:.4f} s")
     save_s = None
     if orbax:
-        save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state}, orbax_dir)
+        save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state})
         note(f"Orbax async save blocked for {save_s:.4f} s")
     if profile_dir:
         try:
