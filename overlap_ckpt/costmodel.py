@@ -23,8 +23,8 @@ Strategies modelled (stall = training time lost per checkpoint):
 ``"overlap"`` with ``k=K>1``
     GoCkpt-style: the state is cut into K slices shipped over K consecutive steps,
     together with the gradient slices that already-shipped slices need, and the host
-    replays the optimizer to bring every slice to the same version (see
-    :func:`window_transfer_bytes` for the exact per-step traffic).
+    replays the optimizer to bring every slice to the same version. The slices are sized
+    so that every step ships the same bytes (see :func:`window_transfer_bytes`).
 
 Notation used throughout: ``S`` state bytes (params + optimizer state, per
 accelerator), ``G`` bytes of one step's full gradient (per accelerator), ``bw`` the
@@ -38,9 +38,10 @@ Assumptions (deliberate simplifications; override the inputs rather than the cod
   compute and do not slow it; HBM-bandwidth contention is ignored), and bytes that do
   not fit stall the step they belong to (they do not spill into the next step's
   budget);
-* slices are equal in bytes and the state has the same bytes per parameter everywhere
-  (true for mixed-precision Adam), so a slice of 1/K of the state owns 1/K of the
-  gradient; real slices are leaf-granular and only approximately equal;
+* the state has the same bytes per parameter everywhere (true for mixed-precision
+  Adam), so a slice of a fraction of the state owns that fraction of the gradient, and
+  slices are sized exactly as :func:`overlap_ckpt.core.slicing.slice_shares` says; real
+  slices are cut at rows or leaves and only approximately so;
 * one checkpoint is in flight at a time: a checkpoint's background work (host replay
   and persist) must finish before the next one starts capturing, or the next capture
   waits (the same rule Orbax applies when a new save finds the previous one running).
@@ -52,10 +53,11 @@ import dataclasses
 import math
 import statistics
 import time
-from fractions import Fraction
 from typing import Any, Literal
 
 import numpy as np
+
+from .core.slicing import step_copy_share
 
 Strategy = Literal["sync", "async", "overlap"]
 STRATEGIES: tuple[str, ...] = ("sync", "async", "overlap")
@@ -187,59 +189,65 @@ def predicted_step_time_s(flops: float, peak_flops: float, mfu: float, hbm_bytes
 def window_transfer_bytes(state_bytes: float, grad_bytes: float, k: int) -> list[float]:
     """Bytes shipped device->host at each step ``j = 0..k-1`` of a K-step window.
 
-    Derivation. Cut the state into K equal slices of ``S/K`` bytes; because every
-    parameter carries the same bytes of state, slice ``i`` also owns ``G/K`` bytes of
-    each step's gradient. The window covers steps ``V-K+1 .. V`` and the checkpoint is
-    the state at version ``V``. Slice ``i`` is captured at step ``t_i = V-K+1+i`` at
-    version ``t_i``, so the host must apply the gradients of steps ``t_i .. V-1``
-    (``K-1-i`` of them) to bring it to ``V``; slice ``K-1`` needs none.
+    Derivation. The window covers steps ``V-K+1 .. V`` and the checkpoint is the state
+    at version ``V``. Slice ``i`` (a fraction ``s_i`` of the state) is captured at step
+    ``V-K+1+i``, so the host must apply that step's gradient and the later ones up to
+    ``V-1`` to it (``K-1-i`` of them); slice ``K-1`` needs none. Each step's program
+    ships its own gradient (it exists only once the backward pass ran), restricted to
+    the slices captured so far, so step ``j < K-1`` ships ``S*s_j + G*(s_0 + .. + s_j)``
+    and the last step ``S*s_{K-1}``.
 
-    The gradient of step ``t`` only exists at the end of step ``t``'s backward pass,
-    so it rides along with the copies of step ``t+1``. At window step ``j`` (absolute
-    step ``t_j``) the device therefore ships
-
-    * state slice ``j``: ``S/K`` bytes, and
-    * the gradient of step ``t_j - 1`` restricted to the slices already captured
-      before it, i.e. slices ``0..j-1``: ``j * G/K`` bytes (at ``j = 0`` the previous
-      step's gradient belongs to no captured slice).
-
-    Hence ``transfer_j = S/K + j*G/K``. Summing, the window moves
-    ``S + (G/K) * K(K-1)/2 = S + G*(K-1)/2`` bytes: K-fold smaller per-step state
-    traffic bought with a gradient stream that grows linearly across the window and
-    peaks at ``S/K + (K-1)G/K`` in the last step.
-
-    The engine (``capture.py``) ships each step's own gradient from inside that step's
-    program instead: pieces for slices ``0..j`` at phase ``j < K-1`` and none at the last
-    phase, i.e. per-step amounts ``S/K + (j+1)G/K`` then ``S/K``. That is a permutation of
-    the same K amounts, so the total and the predicted stall (a sum of per-step terms)
-    are identical. What the model does not see is that a gradient copy can only start
-    once the backward pass has produced it, so its real hiding window is shorter than
-    ``f*T``; lower ``overlappable_fraction`` if measured stalls exceed predictions.
+    With K equal slices that grows with ``j`` (``S/K + (j+1)G/K``, peaking near
+    ``S/K + G``), and the largest step sets the stall. The engine sizes the slices so
+    that every step ships the same bytes instead
+    (:func:`overlap_ckpt.core.slicing.slice_shares`, ``g = G/S``): ``c*S`` each, with
+    ``c`` = :func:`overlap_ckpt.core.slicing.step_copy_share`, and ``K*c*S`` in all. As
+    K grows, ``c*S`` falls towards ``S*G/(S+G)``: a step always carries the gradient rows
+    of the slices before it. What the model does not see is that a gradient copy can only
+    start once the backward pass has produced it, so its real hiding window is shorter
+    than ``f*T``; lower ``overlappable_fraction`` if measured stalls exceed predictions.
     """
     k = check_int("k", k)
     state_bytes = check_number("state_bytes", state_bytes, nonnegative=True)
     grad_bytes = check_number("grad_bytes", grad_bytes, nonnegative=True)
-    return [state_bytes / k + j * grad_bytes / k for j in range(k)]
+    return [_step_bytes(state_bytes, grad_bytes, k)] * k
+
+
+def _step_bytes(state_bytes: float, grad_bytes: float, k: int) -> float:
+    if state_bytes == 0:
+        return 0.0
+    return state_bytes * step_copy_share(k, grad_bytes / state_bytes)
 
 
 def min_zero_stall_k(profile: TrainingProfile) -> int | None:
-    """Smallest K whose window never exceeds the per-step budget, or ``None``.
+    """Smallest K whose window steps each fit the per-step budget ``B``, or ``None``.
 
-    The peak step ships ``(S + (K-1)G)/K``; it fits the budget ``B`` iff
-    ``S - G <= K (B - G)``. So K=1 suffices when ``S <= B``; otherwise a finite K
-    exists only when ``B > G`` (each step must at least carry the gradient stream),
-    namely ``K* = ceil((S - G) / (B - G))``. With ``B = 2G`` (state slice about the size
-    of a gradient) this gives ``K* = ceil(S/G - 1)``: 7 for 16-byte Adam state with
-    bf16 gradients, which is where GoCkpt's K=7 comes from.
+    A step ships ``c(K)*S`` (:func:`window_transfer_bytes`), falling with K towards
+    ``S*G/(S+G)``: so K=1 when ``S <= B``, no K at all when ``B <= S*G/(S+G)``, and
+    otherwise, with ``g = G/S``, the smallest K with
+    ``(1+g)^-(K-1) <= 1 - g*(S/B - 1)``. Mixed-precision Adam (16 B of state and a bf16
+    gradient of 2 B per parameter) with a budget of twice the gradient needs K=5 (equal
+    slices needed 7, GoCkpt's choice).
     """
-    s, g, b = profile.state_bytes, profile.grad_bytes, profile.transfer_budget_bytes
+    s, g_bytes, b = profile.state_bytes, profile.grad_bytes, profile.transfer_budget_bytes
     if s <= b:
         return 1
-    if b <= g:
+    g = g_bytes / s
+    if b * (1 + g) <= s * g:
         return None
-    # Exact rational arithmetic: floats would misplace the ceiling on the boundary,
-    # and for B barely above G the answer can be astronomically large.
-    return max(1, math.ceil((Fraction(s) - Fraction(g)) / (Fraction(b) - Fraction(g))))
+    if g == 0:
+        k = math.ceil(s / b)
+    else:
+        k = 1 + math.ceil(-math.log1p(-g * (s / b - 1)) / math.log1p(g))
+    # The float estimate can be one off on the boundary: settle it on the definition.
+    for _ in range(4):
+        if k > 1 and _step_bytes(s, g_bytes, k - 1) <= b:
+            k -= 1
+        elif _step_bytes(s, g_bytes, k) > b:
+            k += 1
+        else:
+            break
+    return k
 
 
 # --------------------------------------------------------------------------- predictions
@@ -250,8 +258,8 @@ def predict_stall_s(profile: TrainingProfile, strategy: Strategy, k: int = 1) ->
 
     ``"sync"``: ``S/bw + S/persist_bw`` (copy then write, both blocking).
     ``"async"``: ``S/bw`` (blocking snapshot; persist happens in the background).
-    ``"overlap"``: ``sum_j max(0, transfer_j/bw - f*T)`` over the K window steps with
-    ``transfer_j = S/K + j*G/K`` (:func:`window_transfer_bytes`). For K=1 this is
+    ``"overlap"``: ``sum_j max(0, transfer_j/bw - f*T)`` over the K window steps, each
+    shipping the same ``transfer_j`` (:func:`window_transfer_bytes`). For K=1 this is
     ``max(0, S/bw - f*T)``. ``k`` is ignored by the other strategies.
     """
     strategy = _check_strategy(strategy)
@@ -264,33 +272,21 @@ def predict_stall_s(profile: TrainingProfile, strategy: Strategy, k: int = 1) ->
 
 
 def _overlap_stall_s(profile: TrainingProfile, k: int) -> float:
-    """``sum_{j<k} max(0, (S/k + j*G/k)/bw - f*T)`` in O(1), so huge K cost nothing.
-
-    The per-step traffic grows with ``j``, so the steps that stall are a suffix
-    ``j0..k-1`` and their excess is an arithmetic series. Rounding can misplace ``j0``
-    by a few steps only where the terms are ~0, so it does not move the sum.
-    """
-    a = profile.state_bytes / k          # bytes at j = 0
-    c = profile.grad_bytes / k           # extra bytes per later step
-    budget = profile.transfer_budget_bytes
-    if c == 0.0:
-        return k * max(0.0, a - budget) / profile.d2h_bytes_per_s
-    x = (budget - a) / c                 # steps j <= x fit the budget
-    j0 = 0 if x < 0 else (k if x >= k else math.floor(x) + 1)
-    m = k - j0
-    if m == 0:
-        return 0.0
-    excess_bytes = m * (a - budget) + c * (j0 + k - 1) * m / 2
-    return max(0.0, excess_bytes) / profile.d2h_bytes_per_s
+    """``k * max(0, c*S/bw - f*T)``: every window step ships the same ``c*S`` bytes."""
+    excess = _step_bytes(profile.state_bytes, profile.grad_bytes, k) - profile.transfer_budget_bytes
+    return k * max(0.0, excess) / profile.d2h_bytes_per_s
 
 
 def predict_background_s(profile: TrainingProfile, strategy: Strategy, k: int = 1) -> float:
     """Seconds of host work after capture that must end before the next capture.
 
     ``"sync"``: 0 (the persist is inside the stall). ``"async"``: ``S/persist_bw``.
-    ``"overlap"``: replay + persist. Slice ``i`` needs ``K-1-i`` optimizer steps over
-    ``S/K`` bytes, so replay processes ``S(K-1)/2`` bytes in all, taking
-    ``S(K-1) / (2 * replay_bw)`` (0 when ``replay_bytes_per_s`` is None).
+    ``"overlap"``: replay + persist. Slice ``i`` needs ``K-1-i`` optimizer steps, so the
+    replay processes ``S * sum_i s_i (K-1-i)`` bytes, and each of those steps' gradient
+    rows was shipped once: ``G`` times the same sum is what the window ships beyond the
+    state, ``(K*c - 1)*S``. Hence ``S*(K*c - 1)/g`` bytes of replay (``S(K-1)/2`` with
+    equal slices when ``g = 0``), taking that over ``replay_bw`` (0 when
+    ``replay_bytes_per_s`` is None).
     """
     strategy = _check_strategy(strategy)
     k = check_int("k", k)
@@ -300,8 +296,18 @@ def predict_background_s(profile: TrainingProfile, strategy: Strategy, k: int = 
         return profile.persist_s
     replay = 0.0
     if profile.replay_bytes_per_s is not None:
-        replay = profile.state_bytes * (k - 1) / 2 / profile.replay_bytes_per_s
+        replay = replayed_bytes(profile.state_bytes, profile.grad_bytes, k) / profile.replay_bytes_per_s
     return replay + profile.persist_s
+
+
+def replayed_bytes(state_bytes: float, grad_bytes: float, k: int) -> float:
+    """State bytes the host replay updates per window (see :func:`predict_background_s`)."""
+    if k == 1 or state_bytes == 0:
+        return 0.0
+    g = grad_bytes / state_bytes
+    if g < 1e-9:  # (K*c - 1)/g loses its digits; equal slices are the limit
+        return state_bytes * (k - 1) / 2
+    return state_bytes * (k * step_copy_share(k, g) - 1) / g
 
 
 @dataclasses.dataclass(frozen=True)

@@ -271,7 +271,10 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
         total = layout.rows * layout.row_bytes + sum(state_l[j].rows * state_l[j].row_bytes for j in owned)
         unit_rows.append(units)
         unit_row_bytes.append(max(total // units, 1))
-    slicing = make_slicing(unit_rows, unit_row_bytes, window, chunk)
+    # A unit's gradient has its parameter's shape and dtype: what a window step ships of it.
+    unit_bytes = sum(r * b for r, b in zip(unit_rows, unit_row_bytes))
+    grad_per_state = sum(l.rows * l.row_bytes for l in params_l) / max(unit_bytes, 1)
+    slicing = make_slicing(unit_rows, unit_row_bytes, window, chunk, grad_per_state)
     # Units back to rows; whole-leaf pieces cover all rows of the leaf.
     slicing = Slicing(tuple(tuple(_rows_of_units(params_l[p.leaf], p, chunk) for p in s) for s in slicing.slices))
     platform = platform or backend.platform_of(next(iter(params_l[0].sharding.device_set)))

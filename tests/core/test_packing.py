@@ -37,7 +37,7 @@ def check_plan(plan):
 
 # The same with only the items of at most HYBRID_BYTES per device packed (as TPU plans pack
 # those up to 1 MiB): the engine's plans get the limit; every plan must mix both kinds.
-HYBRID_BYTES = 200
+HYBRID_BYTES = 100
 FORCE_HYBRID = FORCE_PACKING + r'''
 from overlap_ckpt.core import engine as engine_module, packing, plan as plan_module
 engine_module.make_plan = functools.partial(plan_module.make_plan, pack_max_bytes=%d)

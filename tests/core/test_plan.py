@@ -53,7 +53,8 @@ def test_large_leaves_are_cut_at_coarse_rows_by_slices_and_replay_calls():
     from overlap_ckpt.core.replay import ReplayPrograms
 
     tx = optax.adam(1e-3)
-    params = make_params([(2048, 1024), (40, 6)])
+    # 4096 rows: the replayed slices (0.57 of the rows) take several replay calls each
+    params = make_params([(4096, 1024), (40, 6)])
     plan = make_plan(tx, params, tx.init(params), {}, 3)
     assert plan.chunked and plan.k == 3
     cuts = {p.leaf: [] for s in plan.slicing.slices for p in s}
