@@ -1,8 +1,8 @@
 #!/usr/bin/env bash
 # The GPU check, in one call on a machine with one GPU (H100 or H200, CUDA jaxlib installed),
-# sized for a short loan (about 8 minutes of device time):
-#   1. `overlap-ckpt aot --target gpu --measure`: the 1B LM's plain step and its K=1 and K=4
-#      window phases compiled for the real device (same report as the compile-only
+# sized for a short loan (about 9 minutes of device time):
+#   1. `overlap-ckpt aot --target gpu --measure`: the 1B LM's plain step and its K=1, K=3 and
+#      K=4 window phases (K=3: what window="auto" picks for it on an H100) compiled for the real device (same report as the compile-only
 #      benchmarks/results/aot_h100_1b.md), then run, beside the prediction, and a profiler
 #      trace of the plain step and each K's largest phase (when does each copy run?);
 #   2. `benchmarks.run` on the 100M LM: the managers end to end (capture, host replay,
@@ -25,8 +25,8 @@ print(jax.devices())"
 } > "$out/env.txt" 2>&1
 cat "$out/env.txt"
 
-timeout "${AOT_TIMEOUT:-360}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
-    --k 1 4 --measure --profile /tmp/gpu_check_profile --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
+timeout "${AOT_TIMEOUT:-420}" $py -m overlap_ckpt.tools.cli aot --target gpu --model 1b --batch-per-device 16 \
+    --k 1 3 4 --measure --profile /tmp/gpu_check_profile --output "$out/aot_gpu_1b.md" > /dev/null 2> "$out/aot_gpu_1b.log"
 echo "aot: exit $?"
 tail -n 12 "$out/aot_gpu_1b.log"
 # the trace as one file (a loan returns few files); read it with jax.profiler.ProfileData

@@ -6,8 +6,9 @@ slice alone. With equal slices the copy grows step by step: at K=3 with Adam (gr
 bytes a third of the state's) the steps copy 0.44, 0.56 and 0.33 of the state. A copy hides
 under a step only up to a budget, so the largest one sets the stall. :func:`slice_shares`
 sizes the slices so that every step copies the same bytes (0.43 of the state at K=3): the
-slices shrink across the window and the last is the largest. The host then owns less (it
-replays slices ``0..K-2`` and adopts the last one as captured) and replays fewer bytes.
+slices shrink across the window and the last is the largest. The host also replays fewer
+bytes and keeps less between windows (its copies of slices ``0..K-2``; the last one it
+adopts as captured).
 
 A *unit* is one parameter leaf together with the optimizer-state leaves it owns (Adam's
 ``mu``/``nu`` of that kernel): they are captured together, because the host replays them
