@@ -1,6 +1,7 @@
 """Shared test helpers: a donating training loop driven by the engine, and exact comparisons."""
 
 import functools
+import math
 import os
 import subprocess
 import sys
@@ -81,6 +82,14 @@ def assert_within_ulps(got_tree, want_tree, what=""):
         scale = max(float(np.max(np.abs(b))), np.finfo(b.dtype).tiny)
         err = float(np.max(np.abs(a.astype(np.float64) - b.astype(np.float64))))
         assert err <= ULP_BOUND * EPS32 * scale, f"{what}: leaf {i} off by {err / (EPS32 * scale):.1f} ulp"
+
+
+def step_copies(shares, g):
+    """What each window step copies, as fractions of the state, for slices of ``shares`` and
+    a gradient of ``g`` times the state: slice j and the gradient rows of slices 0..j, then
+    the last slice alone (core.capture's outboxes). The reference the slicing and the cost
+    model are tested against."""
+    return [x + (g * math.fsum(shares[:j + 1]) if j < len(shares) - 1 else 0.0) for j, x in enumerate(shares)]
 
 
 def make_params(shapes, dtype=jnp.float32, seed=0):

@@ -22,6 +22,8 @@ from overlap_ckpt.costmodel import (
 from overlap_ckpt.core.slicing import slice_shares
 from overlap_ckpt.tools.simulate import HARDWARE_PRESETS, format_simulation_table, simulate
 
+from conftest import step_copies
+
 FAST = settings(max_examples=60, deadline=None)
 
 
@@ -55,9 +57,8 @@ def shipped_by_slices(state: float, grad: float, k: int) -> list[float]:
     """What each window step ships, from the slices the engine cuts (slice_shares): slice
     j and the gradient rows of slices 0..j at step j < k-1, the last slice alone at the
     end. The reference for the model's closed form."""
-    shares = slice_shares(k, grad / state if state else 0.0)
-    before = [math.fsum(shares[:j + 1]) for j in range(k)]
-    return [state * shares[j] + (grad * before[j] if j < k - 1 else 0.0) for j in range(k)]
+    g = grad / state if state else 0.0
+    return [state * c for c in step_copies(slice_shares(k, g), g)]
 
 
 @FAST

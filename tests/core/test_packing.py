@@ -144,7 +144,6 @@ def test_hybrid_outbox_packs_the_small_items_and_copies_the_others_on_their_own(
     plan = make_plan(tx, params, opt_state, None, 2, pack_outbox=True, pack_max_bytes=100)
     assert plan.pack_max_bytes == 100
     reference = make_plan(tx, params, opt_state, None, 2)  # per-leaf (CPU default)
-    sources = {"params": jax.tree.leaves(params), "state": jax.tree.leaves(opt_state)}
     for phase in range(plan.k):
         outbox = jax.jit(capture_state)(WindowTicket(plan, phase), params, opt_state, None)
         items = packing.phase_items(plan, phase, False).state_items()

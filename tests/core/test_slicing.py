@@ -8,6 +8,8 @@ import pytest
 
 from overlap_ckpt.core.slicing import Piece, make_slicing, slice_shares, step_copy_share
 
+from conftest import step_copies
+
 
 @settings(max_examples=300, deadline=None)
 @given(st.lists(st.tuples(st.integers(1, 40), st.integers(1, 64)), min_size=1, max_size=12),
@@ -60,12 +62,6 @@ def test_last_slice_holds_whole_units_unless_that_unbalances_a_slice():
     # One unit that is most of the state stays cut: whole, it would be ~2x an equal share.
     slicing = make_slicing([40, 1], [72, 72], 2, chunkable=True)
     assert slicing.slices[-1][0].start > 0
-
-
-def step_copies(shares, g):
-    """What each window step copies: slice j and the gradient rows of slices 0..j, then the
-    last slice alone (core.capture's outboxes)."""
-    return [x + (g * math.fsum(shares[:j + 1]) if j < len(shares) - 1 else 0.0) for j, x in enumerate(shares)]
 
 
 @settings(max_examples=200, deadline=None)
