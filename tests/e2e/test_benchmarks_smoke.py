@@ -35,6 +35,9 @@ def test_benchmark_run_tiny(tmp_path):
         if x["config"] == "overlap_idle":  # the per-step tax alone: no window is ever reached
             assert x["checkpoints_measured"] == 0 and x["median_plain_step_s"] > 0
             continue
+        if x["config"] == "raw_beside":  # the persist target's reference: writes, no checkpoint
+            assert x["committed"] >= 1 and x["persist_gibps"] > 0 and x["prediction"] is None
+            continue
         assert x["checkpoints_measured"] >= 1, x["config"]
         assert x["prediction"] is not None and 0 < x["prediction"]["ettr"] <= 1
         assert x.get("restore_s") is not None, x["config"]
@@ -45,7 +48,8 @@ def test_benchmark_run_tiny(tmp_path):
     md = (tmp_path / "tiny.md").read_text()
     for label in ("no checkpointing", "Orbax sync", "Orbax async", "overlap, no window reached", "overlap K=1",
                   "overlap auto-K", "overlap K=3", "non-window step", "compile", "persist beside training",
-                  "restore >= 2x Orbax", "ETTR >= Orbax async's at N=8"):
+                  "restore >= 2x Orbax", "ETTR >= Orbax async's at N=8", "raw write beside training",
+                  "of a raw fsync'd write beside the same training"):
         assert label in md, label
     try:
         import matplotlib  # noqa: F401
