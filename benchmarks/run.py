@@ -387,6 +387,7 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
         rec = run["persist"]
         res["persist_gibps"] = sum(p["nbytes"] for p in rec) / GIB / sum(p["persist_s"] for p in rec)
         res["persist_s_median"] = _median([p["persist_s"] for p in rec])
+        res["persist_write_gibps"] = [p["nbytes"] / GIB / p["persist_s"] for p in rec]
     if cfg == "orbax_sync" and res["stall_per_ckpt_s"]:
         res["sync_save_gibps"] = run["state_bytes"] / GIB / res["stall_per_ckpt_s"]
     if run.get("replayed_bytes"):
@@ -470,17 +471,21 @@ def targets(report: dict) -> list[dict]:
     out.append(target(f"peak RSS above the no-checkpoint run <= {TARGETS['rss_vs_state']}x state", worst_rss,
                       None if worst_rss is None else worst_rss <= TARGETS["rss_vs_state"],
                       f"worst overlap run {_fmt(worst_rss, '.2f')}x state"))
-    persist = _median([r["persist_gibps"] for r in rows if r["config"].startswith("overlap") and r.get("persist_gibps")])
-    alone = report["raw_write"]["median_gibps"]
-    beside = _median([r["persist_gibps"] for r in rows if r["config"] == "raw_beside" and r.get("persist_gibps")])
+    # Medians over every write, pooled across runs: a run at N=50 writes twice, and one slow
+    # write on this VM's disk would otherwise carry half its run's figure.
+    ours = [g for r in rows if r["config"].startswith("overlap") for g in r.get("persist_write_gibps", [])]
+    raws = [g for r in rows if r["config"] == "raw_beside" for g in r.get("persist_write_gibps", [])]
+    persist, beside, alone = _median(ours), _median(raws), report["raw_write"]["median_gibps"]
     raw = beside or alone  # without a raw_beside run, only the write measured alone is there
     p = persist / raw if persist else None
     out.append(target(f"persist beside training >= {TARGETS['persist_vs_raw']:.0%} of a raw fsync'd write "
                       + ("beside the same training" if beside else "measured alone"), p,
                       None if p is None else p >= TARGETS["persist_vs_raw"],
-                      f"{_fmt(p, '.2f')}x ({_fmt(persist, '.3f')} GiB/s median over overlap runs vs "
-                      + (f"{beside:.3f} GiB/s raw beside training; {alone:.3f} GiB/s raw alone: "
-                         f"{_fmt(persist and persist / alone, '.2f')}x)" if beside else f"{alone:.3f} GiB/s raw)")))
+                      f"{_fmt(p, '.2f')}x (medians over every write: ours {_fmt(persist, '.3f')} GiB/s, "
+                      f"{len(ours)} writes, vs "
+                      + (f"raw beside training {beside:.3f} GiB/s, {len(raws)} writes; raw alone "
+                         f"{alone:.3f} GiB/s: {_fmt(persist and persist / alone, '.2f')}x)" if beside
+                         else f"raw alone {alone:.3f} GiB/s)")))
     compile_ratio = [(r["config"], r["interval"], r["compile_s"] / base["compile_s"]) for r in rows
                      if r["config"].startswith("overlap") and r.get("compile_s") and base.get("compile_s")]
     worst_c = max(compile_ratio, key=lambda c: c[2]) if compile_ratio else None
