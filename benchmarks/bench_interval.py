@@ -249,6 +249,13 @@ def markdown(report: dict) -> str:
             if len(costs) >= 2:
                 short, long_ = min(costs), max(costs)
                 lines.append("")
+                if costs[short] <= 0 or costs[long_] <= 0:
+                    # A checkpoint never makes its loop faster: a cost at or below zero is the
+                    # drift between blocks, and a ratio to it would mean nothing.
+                    lines.append(f"{kind}: {what} per checkpoint at N={long_} against N={short}: not resolved "
+                                 f"({costs[short] * 1e3:.0f} and {costs[long_] * 1e3:.0f} ms; a cost at or below "
+                                 "zero is drift between blocks)")
+                    continue
                 lines.append(f"{kind}: {what} per checkpoint at N={long_} is "
                              f"{costs[long_] / costs[short]:.2f}x the one at N={short} (target for overlap: <= 1.2x)")
     return "\n".join(lines) + "\n"

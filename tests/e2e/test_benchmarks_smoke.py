@@ -95,3 +95,21 @@ def test_cli_simulate():
     bad = subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "simulate", "--params", "7B",
                           "--intervals", "0"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "error" in bad.stderr
+
+
+def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
+    """A cost per checkpoint at or below zero is drift between blocks (a checkpoint never
+    speeds a loop up): the report says so instead of printing a ratio to it."""
+    from benchmarks.bench_interval import markdown
+
+    def row(n, total, segment):
+        return {"n": n, "block_on_s_median": 30.0, "block_off_s_median": 30.0, "per_ckpt_training_s": total,
+                "per_ckpt_total_s": total, "cpu_s_per_ckpt": 0.0, "minor_faults_per_ckpt": 0.0,
+                "ckpt_segments_s": segment, "other_segments_s": 0.0}
+
+    report = {"model": "20m", "rounds": 6, "block": 50, "sync_every": 5, "window": 3, "loadavg_at_end": [2.0],
+              "summary": {"overlap N=10": row(10, 0.002, 0.181), "overlap N=50": row(50, -0.98, 0.092)}}
+    text = markdown(report)
+    assert "total cost per checkpoint at N=50 against N=10: not resolved" in text
+    assert "-490.00x" not in text and "x the one at N=10 (target" in text  # the segment's ratio stays
+    assert "checkpoint's segment per checkpoint at N=50 is 0.51x the one at N=10" in text
