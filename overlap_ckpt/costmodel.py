@@ -50,6 +50,7 @@ Assumptions (deliberate simplifications; override the inputs rather than the cod
 from __future__ import annotations
 
 import dataclasses
+import fractions
 import math
 import statistics
 import time
@@ -235,10 +236,14 @@ def min_zero_stall_k(profile: TrainingProfile) -> int | None:
     g = g_bytes / s
     if b * (1 + g) <= s * g:
         return None
-    if g == 0:
-        k = math.ceil(s / b)
-    else:
-        k = 1 + math.ceil(-math.log1p(-g * (s / b - 1)) / math.log1p(g))
+    # In rationals: with a budget near zero (a subnormal fraction of the step) S/B and the
+    # K below overflow a float; K is then astronomic, but still the answer.
+    if g == 0:  # equal slices: K >= S/B, exactly
+        return math.ceil(fractions.Fraction(s) / fractions.Fraction(b))
+    # g*(S/B - 1) written as G/B - g, which stays below 1 where S/B overflows.
+    k = 1 + math.ceil(fractions.Fraction(-math.log1p(-(g_bytes / b - g))) / fractions.Fraction(math.log1p(g)))
+    if k > 2**53:  # beyond a float's integers, where the check below cannot tell K from K-1
+        return k
     # The float estimate can be one off on the boundary: settle it on the definition.
     for _ in range(4):
         if k > 1 and _step_bytes(s, g_bytes, k - 1) <= b:

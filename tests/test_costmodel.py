@@ -5,7 +5,7 @@ from __future__ import annotations
 import math
 
 import pytest
-from hypothesis import assume, given, settings
+from hypothesis import assume, example, given, settings
 from hypothesis import strategies as st
 
 from overlap_ckpt.costmodel import (
@@ -170,6 +170,12 @@ def test_choose_k_is_smallest_minimiser(p, max_k):
 
 @FAST
 @given(profiles)
+# A subnormal overlappable fraction: S/B overflows a float (found by hypothesis: OverflowError),
+# without and with a gradient (a math domain error then).
+@example(p=TrainingProfile(step_time_s=1.0, d2h_bytes_per_s=1e8, state_bytes=1e6, grad_bytes=0.0,
+                           persist_bytes_per_s=1e8, overlappable_fraction=5e-324))
+@example(p=TrainingProfile(step_time_s=1.0, d2h_bytes_per_s=1e8, state_bytes=1e6, grad_bytes=1e-316,
+                           persist_bytes_per_s=1e8, overlappable_fraction=5e-324))
 def test_choose_k_matches_closed_form_threshold(p):
     s, g, b = p.state_bytes, p.grad_bytes, p.transfer_budget_bytes
     k_star = min_zero_stall_k(p)
