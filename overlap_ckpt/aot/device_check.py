@@ -190,13 +190,16 @@ class DeviceCalibration:
 
 def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[int, WindowReport],
               phase_programs: dict[int, Sequence[Any]], orbax: bool = True,
-              log: Callable[[str], None] = lambda line: None, profile_dir: str | None = None) -> DeviceCalibration:
+              log: Callable[[str], None] = lambda line: None, profile_dir: str | None = None,
+              link_probe_bytes: int = HOST_LINK_PROBE_BYTES) -> DeviceCalibration:
     """Run ``plain`` and every phase program of ``windows`` (``phase_programs[k][j]``, the
     compiled phase j of the K window) on the target's devices, and measure the host link
     and Orbax's stall on the same state. ``log`` gets each figure as it is measured, with
     the seconds since the calibration began (a loan's time limit may stop it part way).
     ``profile_dir``: also trace one more call of the plain step and of each K's largest
-    phase there (:func:`jax.profiler.trace`), to see when a copy runs within the step."""
+    phase there (:func:`jax.profiler.trace`), to see when a copy runs within the step.
+    ``link_probe_bytes``: the size of the host-link probe (a GiB by default, to reach a
+    GPU link's speed; a test on the CPU backend needs only its plumbing)."""
     started = time.perf_counter()
 
     def note(line: str) -> None:
@@ -219,7 +222,7 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
     note(f"plain step again, after the phases: {plain_after:.4f} s")
     device = report.target.devices[0]
     tree = (state.params, state.opt_state)
-    link = costmodel.measure_d2h_bandwidth(device, nbytes=HOST_LINK_PROBE_BYTES)
+    link = costmodel.measure_d2h_bandwidth(device, nbytes=link_probe_bytes)
     note(f"host link: {link / 1e9:.2f} GB/s")
     device_get_s = measure_device_get_s(tree)
     note(f"jax.device_get of the state: {device_get_s:.4f} s")

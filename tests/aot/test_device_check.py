@@ -76,7 +76,7 @@ def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devi
     logged = []
     result = device_check.calibrate(run.setup, run.cost, run.plain_program, {2: window},
                                     {2: tuple(p for _, p in compiled)}, orbax=False, log=logged.append,
-                                    profile_dir=str(tmp_path))
+                                    profile_dir=str(tmp_path), link_probe_bytes=64 << 20)
     assert [p.name for p in result.windows[2]] == ["phase 0 of 2", "phase 1 of 2"]
     assert all(s > 0 for s in result.plain_s) and all(p.measured_s > 0 for p in result.windows[2])
     predicted, measured = result.window_stall_s(2)
