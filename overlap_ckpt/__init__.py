@@ -23,19 +23,20 @@ from .hostarray import HostArray, HostShard
 from .doors.linen import TrainState
 from .manager import CheckpointManager
 from .tiers import LocalTier
-from .doors import nnx
 
 __all__ = [
     "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "InternalError", "OverlapCkptError",
     "TreeMismatchError", "UnsupportedOptimizerError", "WindowAborted", "HostArray", "HostShard",
-    "TrainState", "CheckpointManager", "LocalTier", "nnx",
+    "TrainState", "CheckpointManager", "LocalTier",
 ]
 __version__ = "0.1.0"
 
-# The Orbax door and the storage layer import orbax/tensorstore (~0.6 s): loaded on first use.
-_LAZY = {"HostCopySink": "doors.orbax", "OverlapCheckpointHandler": "doors.orbax",
-         "OverlapSave": "doors.orbax", "overlap_handler_registry": "doors.orbax",
-         "storage": None, "aot": None}
+# Loaded on first use: the Orbax door and the storage layer import orbax and tensorstore
+# (~0.6 s), the NNX door flax.nnx (~1 s, which a Linen or Orbax loop never needs).
+# Each name: (module, attribute of it, or None for the module itself).
+_LAZY = {"HostCopySink": ("doors.orbax", "HostCopySink"), "OverlapCheckpointHandler": ("doors.orbax", "OverlapCheckpointHandler"),
+         "OverlapSave": ("doors.orbax", "OverlapSave"), "overlap_handler_registry": ("doors.orbax", "overlap_handler_registry"),
+         "storage": ("storage", None), "aot": ("aot", None), "nnx": ("doors.nnx", None)}
 __all__ += list(_LAZY)
 
 
@@ -43,7 +44,8 @@ def __getattr__(name):
     if name not in _LAZY:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     import importlib
-    module = importlib.import_module(f".{_LAZY[name] or name}", __name__)
-    value = module if _LAZY[name] is None else getattr(module, name)
+    path, attribute = _LAZY[name]
+    module = importlib.import_module(f".{path}", __name__)
+    value = module if attribute is None else getattr(module, attribute)
     globals()[name] = value
     return value

@@ -8,11 +8,10 @@ while the training thread mutates them.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 import jax
-from flax import nnx
-from flax.nnx import graphlib
 
 
 def abstract_array(x: Any) -> Any:
@@ -28,9 +27,11 @@ def abstract_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     """``args`` and ``kwargs`` with every array abstract. NNX objects (graph nodes) become
     new objects of the same graph, split and merged together so that what they share
     stays shared, holding abstract values."""
-    nodes = [i for i, a in enumerate(args) if graphlib.is_graph_node(a)]
+    nodes = [i for i, a in enumerate(args) if is_graph_node(a)]
     out = [a if i in nodes else jax.tree.map(abstract_array, a) for i, a in enumerate(args)]
     if nodes:
+        from flax import nnx
+
         graphdef, state = nnx.split(tuple(args[i] for i in nodes))
         copies = nnx.merge(graphdef, jax.tree.map(abstract_array, state))
         for i, copy in zip(nodes, copies):
@@ -40,7 +41,14 @@ def abstract_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
 
 def graph_nodes(args: tuple) -> dict[int, Any]:
     """The NNX objects among ``args``, by position."""
-    return {i: a for i, a in enumerate(args) if graphlib.is_graph_node(a)}
+    return {i: a for i, a in enumerate(args) if is_graph_node(a)}
+
+
+def is_graph_node(x: Any) -> bool:
+    """Whether ``x`` is an NNX object. Without importing flax.nnx (~1 s, which a Linen or
+    Orbax loop never needs): no NNX object exists before a program imported it."""
+    graphlib = sys.modules.get("flax.nnx.graphlib")
+    return graphlib is not None and graphlib.is_graph_node(x)
 
 
 def after_the_step(abstract_args: tuple, nodes: dict[int, Any], states: list[int], state: Any) -> tuple:

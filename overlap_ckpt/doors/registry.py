@@ -7,6 +7,7 @@ are refused with what to use instead.
 
 from __future__ import annotations
 
+import sys
 from typing import Any
 
 from .base import Door
@@ -36,10 +37,10 @@ def door_for(state: Any, *, model: Any = None, graphdef: Any = None) -> Door:
 
 
 def _nnx_door(state: Any, model: Any, graphdef: Any) -> Door | None:
-    try:
-        from flax import nnx
-    except ImportError:  # pragma: no cover - flax without nnx
+    if "flax.nnx" not in sys.modules:  # no NNX object exists before a program imported NNX
         return None
+    from flax import nnx
+
     from . import nnx as nnx_door
 
     if isinstance(state, nnx_door.Optimizer):

@@ -17,7 +17,7 @@ import pytest
 from flax.training import train_state as flax_train_state
 from jax.sharding import Mesh, NamedSharding, PartitionSpec as P
 
-from conftest import compile_threads, run_in_subprocess
+from conftest import compile_threads, run_in_subprocess, run_python
 
 from overlap_ckpt.doors.linen import TrainState
 from overlap_ckpt.manager import CheckpointManager
@@ -238,3 +238,41 @@ def test_compile_ahead_compiles_the_variants_for_the_state_as_the_first_step_pla
     the variants are compiled for the state as it is after it (they were compiled for the
     old placement, and again on the training thread at the first window)."""
     run_in_subprocess(__file__, "fsdp_loop_compiled_ahead", str(tmp_path), devices=2)
+
+
+LINEN_LOOP = """
+import sys, tempfile
+import flax.linen as nn, jax, jax.numpy as jnp, optax
+import overlap_ckpt as oc
+
+model = nn.Dense(4)
+x = jnp.ones((2, 3))
+state = oc.TrainState.create(apply_fn=model.apply, params=model.init(jax.random.key(0), x)["params"],
+                             tx=optax.adam(1e-2))
+
+@jax.jit
+def train_step(state):
+    grads = jax.grad(lambda p: jnp.sum(state.apply_fn({"params": p}, x) ** 2))(state.params)
+    return state.apply_gradients(grads=grads)
+
+directory = tempfile.mkdtemp()
+with oc.CheckpointManager(directory, save_interval_steps=2, window=2) as mngr:
+    state = mngr.prepare(state)
+    mngr.compile_ahead(train_step, state)
+    for _ in range(5):
+        state = mngr.step(train_step(state))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == [2, 4], mngr.all_steps()
+    mngr.restore(target_state=state)
+print("linen loop imported flax.nnx:", "flax.nnx" in sys.modules)
+print("nnx door:", oc.nnx.Optimizer.__name__, "flax.nnx" in sys.modules)
+"""
+
+
+def test_a_linen_loop_never_imports_nnx():
+    """``import overlap_ckpt`` and a Linen loop (prepare, compile-ahead, windows, restore)
+    leave flax.nnx unimported (about 1 s of every start-up); ``overlap_ckpt.nnx`` loads it."""
+    proc = run_python(LINEN_LOOP)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    lines = proc.stdout.splitlines()
+    assert "linen loop imported flax.nnx: False" in lines and "nnx door: Optimizer True" in lines, proc.stdout
