@@ -244,6 +244,7 @@ LINEN_LOOP = """
 import sys, tempfile
 import flax.linen as nn, jax, jax.numpy as jnp, optax
 import overlap_ckpt as oc
+import overlap_ckpt.tools.cli  # the command, and the demo's models
 
 model = nn.Dense(4)
 x = jnp.ones((2, 3))
@@ -270,8 +271,8 @@ print("nnx door:", oc.nnx.Optimizer.__name__, "flax.nnx" in sys.modules)
 
 
 def test_a_linen_loop_never_imports_nnx():
-    """``import overlap_ckpt`` and a Linen loop (prepare, compile-ahead, windows, restore)
-    leave flax.nnx unimported (about 1 s of every start-up); ``overlap_ckpt.nnx`` loads it."""
+    """``import overlap_ckpt``, its command and a Linen loop (prepare, compile-ahead,
+    windows, restore) leave flax.nnx unimported (about 1 s of every start-up); ``overlap_ckpt.nnx`` loads it."""
     proc = run_python(LINEN_LOOP)
     assert proc.returncode == 0, proc.stderr[-3000:]
     lines = proc.stdout.splitlines()

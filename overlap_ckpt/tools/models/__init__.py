@@ -10,7 +10,6 @@ resumed runs can be checked bit for bit.
 from .config import LMConfig
 from .data import SyntheticTokens
 from .linen_lm import TransformerLM, linen_init, linen_loss_fn, next_token_loss, split_batch
-from .nnx_lm import NNXTransformerLM, nnx_init, nnx_loss_fn
 
 __all__ = [
     "LMConfig",
@@ -24,3 +23,13 @@ __all__ = [
     "nnx_init",
     "nnx_loss_fn",
 ]
+
+
+def __getattr__(name):
+    """The NNX model on first use: flax.nnx takes about 1 s to import, which the Linen
+    demo, the CLI and the Linen benchmarks never need."""
+    if name not in ("NNXTransformerLM", "nnx_init", "nnx_loss_fn"):
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    from . import nnx_lm
+
+    return getattr(nnx_lm, name)
