@@ -34,8 +34,8 @@ __version__ = "0.1.0"
 # Loaded on first use: the Orbax door and the storage layer import orbax and tensorstore
 # (~0.6 s), the NNX door flax.nnx (~1 s, which a Linen or Orbax loop never needs).
 # Each name: (module, attribute of it, or None for the module itself).
-_LAZY = {"HostCopySink": ("doors.orbax", "HostCopySink"), "OverlapCheckpointHandler": ("doors.orbax", "OverlapCheckpointHandler"),
-         "OverlapSave": ("doors.orbax", "OverlapSave"), "overlap_handler_registry": ("doors.orbax", "overlap_handler_registry"),
+_LAZY = {**{name: ("doors.orbax", name) for name in ("HostCopySink", "OverlapCheckpointHandler", "OverlapSave",
+                                                     "overlap_handler_registry")},
          "storage": ("storage", None), "aot": ("aot", None), "nnx": ("doors.nnx", None)}
 __all__ += list(_LAZY)
 
