@@ -90,9 +90,9 @@ def main(argv: list[str] | None = None) -> dict:
             state, loss = train_step(state, batches[t % len(batches)])
             call = 0.0
             if mngr is not None:
-                call = time.perf_counter()
+                before_call = time.perf_counter()
                 state = mngr.step(state)
-                call = time.perf_counter() - call
+                call = time.perf_counter() - before_call
             jax.block_until_ready((state.params, loss))
             dt = time.perf_counter() - start
             busy = busy or in_flight(mngr)

@@ -8,10 +8,11 @@ while the training thread mutates them.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
 import jax
+
+from .base import imported_nnx
 
 
 def abstract_array(x: Any) -> Any:
@@ -30,8 +31,7 @@ def abstract_arguments(args: tuple, kwargs: dict) -> tuple[tuple, dict]:
     nodes = [i for i, a in enumerate(args) if is_graph_node(a)]
     out = [a if i in nodes else jax.tree.map(abstract_array, a) for i, a in enumerate(args)]
     if nodes:
-        from flax import nnx
-
+        nnx = imported_nnx()
         graphdef, state = nnx.split(tuple(args[i] for i in nodes))
         copies = nnx.merge(graphdef, jax.tree.map(abstract_array, state))
         for i, copy in zip(nodes, copies):
@@ -45,10 +45,9 @@ def graph_nodes(args: tuple) -> dict[int, Any]:
 
 
 def is_graph_node(x: Any) -> bool:
-    """Whether ``x`` is an NNX object. Without importing flax.nnx (~1 s, which a Linen or
-    Orbax loop never needs): no NNX object exists before a program imported it."""
-    graphlib = sys.modules.get("flax.nnx.graphlib")
-    return graphlib is not None and graphlib.is_graph_node(x)
+    """Whether ``x`` is an NNX object (without importing NNX, see :func:`imported_nnx`)."""
+    nnx = imported_nnx()
+    return nnx is not None and nnx.graphlib.is_graph_node(x)
 
 
 def after_the_step(abstract_args: tuple, nodes: dict[int, Any], states: list[int], state: Any) -> tuple:

@@ -30,6 +30,8 @@ rearrange it (``CheckpointManager(save_tree=...)``), see :mod:`overlap_ckpt.layo
 from __future__ import annotations
 
 import dataclasses
+import sys
+from types import ModuleType
 from typing import Any, Callable, Protocol
 
 import jax
@@ -154,3 +156,12 @@ def refuse_stale_outbox(where: str) -> None:
     raise TypeError(
         f"{where} carries the host copies of a checkpoint window step: after every training step, "
         "pass the state it returned to CheckpointManager.step(state) and train on what that returns.")
+
+
+def imported_nnx() -> ModuleType | None:
+    """``flax.nnx`` if this program has imported it, else None.
+
+    Why: the doors tell NNX objects apart without importing NNX themselves (about 1 s, which
+    a Linen or Orbax loop never needs); before a program imports NNX, no NNX object exists.
+    """
+    return sys.modules.get("flax.nnx")

@@ -7,10 +7,9 @@ are refused with what to use instead.
 
 from __future__ import annotations
 
-import sys
 from typing import Any
 
-from .base import Door
+from .base import Door, imported_nnx
 
 
 def door_for(state: Any, *, model: Any = None, graphdef: Any = None) -> Door:
@@ -37,10 +36,9 @@ def door_for(state: Any, *, model: Any = None, graphdef: Any = None) -> Door:
 
 
 def _nnx_door(state: Any, model: Any, graphdef: Any) -> Door | None:
-    if "flax.nnx" not in sys.modules:  # no NNX object exists before a program imported NNX
+    nnx = imported_nnx()
+    if nnx is None:  # no NNX object can exist
         return None
-    from flax import nnx
-
     from . import nnx as nnx_door
 
     if isinstance(state, nnx_door.Optimizer):
