@@ -16,6 +16,7 @@ Why random-filled arrays and not zeros: matrix units run faster on zeros than on
 from __future__ import annotations
 
 import dataclasses
+import math
 import shutil
 import statistics
 import tempfile
@@ -24,6 +25,7 @@ from typing import Any, Callable, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 
 from .. import costmodel
 from . import predict
@@ -36,20 +38,33 @@ from .window import WindowReport
 WARMUP_CALLS = 2
 TIMED_CALLS = 3
 HOST_LINK_PROBE_BYTES = 1 << 30
+# Below 0.02 after rounding to bfloat16 too: the filled values' bound, as an initializer's scale.
+FILL_MAX = 0.0195
 
 
 def filled_like(tree: Any, seed: int = 0) -> Any:
     """Real arrays of an abstract tree's shapes, dtypes and shardings: floats uniform in
-    [0, 0.02) (non-negative, so Adam's second moment stays valid), integers zero. One
-    program for the whole tree: a program per leaf would compile hundreds of times."""
+    [0, FILL_MAX), as the leaf's dtype rounds them (non-negative, so Adam's second moment
+    stays valid), integers zero.
+
+    Nothing compiles: one host buffer of random floats, twice the largest leaf, gives each
+    leaf a window of it at a random offset, put onto the devices. Drawing the values on the
+    device instead compiled one random-number kernel per leaf, even in one program: 49 s for
+    the 1B LM's parameters and 125 s for its Adam moments on XLA:GPU (deviceless H100 target,
+    2 cores), which took 110 s of a loaned H200's time before its first measurement."""
     leaves, treedef = jax.tree.flatten(tree)
-
-    def fill(key):
-        keys = jax.random.split(key, max(len(leaves), 1))
-        return [jax.random.uniform(k, x.shape, x.dtype, 0.0, 0.02) if jnp.issubdtype(x.dtype, jnp.floating)
-                else jnp.zeros(x.shape, x.dtype) for k, x in zip(keys, leaves)]
-
-    filled = jax.jit(fill, out_shardings=[x.sharding for x in leaves])(jax.random.key(seed))
+    sizes = [math.prod(x.shape) for x in leaves]
+    longest = max(sizes, default=1)
+    rng = np.random.default_rng(seed)
+    pool = rng.random(2 * longest, dtype=np.float32) * np.float32(FILL_MAX)
+    filled = []
+    for x, size in zip(leaves, sizes):
+        if jnp.issubdtype(x.dtype, jnp.floating):
+            start = int(rng.integers(0, longest + 1))
+            host = pool[start:start + size].reshape(x.shape).astype(x.dtype, copy=False)
+        else:
+            host = np.zeros(x.shape, x.dtype)
+        filled.append(jax.device_put(host, x.sharding))
     return jax.tree.unflatten(treedef, filled)
 
 
@@ -197,7 +212,9 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
     and Orbax's stall on the same state. ``log`` gets each figure as it is measured, with
     the seconds since the calibration began (a loan's time limit may stop it part way).
     ``profile_dir``: also trace one more call of the plain step and of each K's largest
-    phase there (:func:`jax.profiler.trace`), to see when a copy runs within the step.
+    phase there (:func:`jax.profiler.trace`), to see when a copy runs within the step; the
+    trace comes before the host link and Orbax are measured (Orbax writes the whole state
+    to disk, twice), so that a loan's time limit stops the figures least needed.
     ``link_probe_bytes``: the size of the host-link probe (a GiB by default, to reach a
     GPU link's speed; a test on the CPU backend needs only its plumbing)."""
     started = time.perf_counter()
@@ -220,16 +237,6 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
         measured[k] = tuple(phases)
     plain_after = time_calls(plain, state)
     note(f"plain step again, after the phases: {plain_after:.4f} s")
-    device = report.target.devices[0]
-    tree = (state.params, state.opt_state)
-    link = costmodel.measure_d2h_bandwidth(device, nbytes=link_probe_bytes)
-    note(f"host link: {link / 1e9:.2f} GB/s")
-    device_get_s = measure_device_get_s(tree)
-    note(f"jax.device_get of the state: {device_get_s:.4f} s")
-    save_s = None
-    if orbax:
-        save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state})
-        note(f"Orbax async save blocked for {save_s:.4f} s")
     if profile_dir:
         try:
             with jax.profiler.trace(profile_dir):
@@ -240,6 +247,16 @@ def calibrate(setup: LMSetup, cost: predict.StepCost, plain: Any, windows: dict[
             note(f"traced the plain step and each K's largest phase into {profile_dir}")
         except Exception as e:  # noqa: BLE001 - a profiler that cannot start must not lose the figures
             note(f"no trace: {type(e).__name__}: {e}")
+    device = report.target.devices[0]
+    tree = (state.params, state.opt_state)
+    link = costmodel.measure_d2h_bandwidth(device, nbytes=link_probe_bytes)
+    note(f"host link: {link / 1e9:.2f} GB/s")
+    device_get_s = measure_device_get_s(tree)
+    note(f"jax.device_get of the state: {device_get_s:.4f} s")
+    save_s = None
+    if orbax:
+        save_s = measure_orbax_save_block_s({"params": state.params, "opt_state": state.opt_state})
+        note(f"Orbax async save blocked for {save_s:.4f} s")
     return DeviceCalibration(str(device.device_kind), cost.step_time_s, (plain_before, plain_after),
                              report.target.host_link_bytes_per_s, link, predict.orbax_async_stall_s(report),
                              device_get_s, save_s, measured)

@@ -21,13 +21,14 @@ from conftest import compile_threads
 SLEEP_S = 0.05
 
 
-def test_the_state_is_filled_with_real_values_in_one_program():
+def test_the_state_is_filled_with_real_values_without_compiling():
     setup = lm_setup(get_target("cpu"), "tiny")
     compiles = compile_threads("")  # every compile from here on
     filled = device_check.filled_like(setup.opt_state, seed=1)
     abstract, leaves = jax.tree.leaves(setup.opt_state), jax.tree.leaves(filled)
     assert len(leaves) == len(abstract) > 30
-    assert len(compiles) <= 3, compiles  # not one program per leaf
+    assert not compiles, compiles  # a program that draws them compiles a kernel per leaf (minutes for 1B on a GPU)
+    assert len({np.asarray(x).tobytes()[:64] for x in leaves if x.size > 16}) > 1, "every leaf the same values"
     for x, a in zip(leaves, abstract):
         assert (x.shape, x.dtype, x.sharding) == (a.shape, a.dtype, a.sharding)
         values = np.asarray(x)
@@ -86,6 +87,9 @@ def test_the_calibration_runs_the_plain_step_and_every_phase_on_the_targets_devi
     text = result.markdown((10,))
     assert "| phase 1 of 2 |" in text and "overlap K=2 window stall" in text
     assert any("plain step again" in line for line in logged)
+    # the trace before the host link, device_get and Orbax: a loan's limit stops those first
+    order = [next(i for i, line in enumerate(logged) if what in line) for what in ("traced", "host link")]
+    assert order == sorted(order), logged
     traces = list(tmp_path.rglob("*.xplane.pb"))
     assert len(traces) == 1
     events = {event.name for plane in jax.profiler.ProfileData.from_file(str(traces[0])).planes
