@@ -357,6 +357,10 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
     res = {"median_step_s": _median(dts), "mean_step_s": statistics.mean(dts), "measured_steps": len(dts)}
     plain = [dt for r, dt in zip(run["steps"], dts) if r["phase"] is None and not r["save"]]
     res["median_plain_step_s"] = _median(plain)
+    # RSS after each measured step, beside the process's peak (ru_maxrss): a peak well above
+    # every step's RSS was reached outside the loop's steady state (a compile, the warm-up).
+    res["rss_by_step_bytes"] = [r["rss"] for r in run["steps"]]
+    res["rss_before_train_bytes"] = run.get("rss_before_train_bytes")
     res["compile_s"] = run.get("compile_s")
     res["ettr"] = base_mean / res["mean_step_s"]
     groups: dict[int, list[float]] = {}
