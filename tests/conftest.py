@@ -5,7 +5,6 @@ import itertools
 import os
 import subprocess
 import sys
-from typing import Callable
 
 # The suite's expectations (bitwise replays, simulated devices) are the CPU backend's. An
 # installed accelerator plugin (libtpu from the "aot" extra, which compiles for TPU targets
@@ -215,30 +214,16 @@ def run_in_subprocess(test_file: str, function: str, *args, devices: int = 1) ->
     assert proc.returncode == 0 and proc.stdout.rstrip().endswith("returned"), (proc.returncode, proc.stderr[-3000:])
 
 
-def _on_every_compile(record: Callable[[str, str], None]) -> None:
-    """Call ``record(thread name, jitted function's name)`` at every backend compile in this
-    process from now on (the listener stays for the process)."""
-    import threading
-
-    from jax import monitoring
-
-    monitoring.register_event_duration_secs_listener(
-        lambda event, secs, fun_name="", **kw: record(threading.current_thread().name, fun_name)
-        if event == "/jax/core/compile/backend_compile_duration" else None)
-
-
 def compile_threads(name: str) -> list[str]:
     """A list that receives the thread name of every backend compile, from now on, of a
     jitted function whose name contains ``name`` (``"jit(step)"``). The listener stays for
     the process: give each test's step a name of its own."""
+    import threading
+
+    from jax import monitoring
+
     threads: list[str] = []
-    _on_every_compile(lambda thread, fun_name: threads.append(thread) if name in fun_name else None)
+    monitoring.register_event_duration_secs_listener(
+        lambda event, secs, fun_name="", **kw: threads.append(threading.current_thread().name)
+        if event == "/jax/core/compile/backend_compile_duration" and name in fun_name else None)
     return threads
-
-
-def compile_events() -> list[tuple[str, str]]:
-    """A list that receives ``(thread name, jitted function's name)`` of every backend
-    compile from now on, whatever the function."""
-    events: list[tuple[str, str]] = []
-    _on_every_compile(lambda thread, fun_name: events.append((thread, fun_name)))
-    return events

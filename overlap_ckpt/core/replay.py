@@ -426,6 +426,10 @@ class ReplayPrograms:
         self._run = jax.jit(run, donate_argnums=3, keep_unused=True)
         self._run_in_place = jax.jit(run, donate_argnums=0, keep_unused=True)
 
+        def zeros(signature):  # the plan's own function: jit caches by function, so its
+            return _zeros(signature)  # programs are freed with the plan, as run's are
+
+        self._zeros = jax.jit(zeros, static_argnums=0)
         self._dummy_state: list[np.ndarray] | None = None
         self._stand_ins: tuple[list[jax.Array], list[jax.Array]] | None = None
         self.batch_bytes = call_bytes(plan)
@@ -588,6 +592,7 @@ class ReplayPrograms:
             for _, args, injected, advanced in self._calls():
                 moving, fixed = _split(args, advanced)
                 self._run.lower(moving, fixed, injected, list(moving)).compile()
+                self._zeros.lower(_signature(moving)).compile()
                 if self.plan.chunked:
                     self._run_in_place.lower(moving, fixed, injected, []).compile()
 
@@ -657,7 +662,7 @@ class ReplayPrograms:
             if in_place:
                 outs = self._run_in_place(moving, fixed, injected, [])[0]
             else:
-                outs = self._run(moving, fixed, injected, _zeros(moving) if reuse is None else reuse)[0]
+                outs = self._run(moving, fixed, injected, self._zeros(_signature(moving)) if reuse is None else reuse)[0]
         return _in_argument_order(outs, advanced)
 
 
@@ -688,18 +693,23 @@ def _in_argument_order(outs: list[Any], advanced: list[int]) -> list[Any]:
     return result
 
 
-def _zeros(arrays: list[Any]) -> list[jax.Array]:
-    """The first call's output buffers: zeros shaped as ``arrays``, in memory XLA owns.
+def _signature(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
+    """Shapes and dtypes of ``arrays``, hashable: the static argument of :func:`_zeros`."""
+    return tuple((tuple(np.shape(x)), np.dtype(x.dtype)) for x in arrays)
 
-    Owned, because a later call takes them by donation and writes its outputs there (see
-    :meth:`ReplayPrograms.run`): ``may_alias=False`` copies numpy's zeros into a new buffer
-    instead of wrapping numpy's memory. Not a program: a jitted ``jnp.zeros`` compiled one
-    kernel per output, 1.3-4.8 s for the 378 outputs of a tree of 201 small leaves (and an
-    eager ``jnp.zeros`` per leaf one program per distinct shape: 91 compiles, 12 s). Made
-    without a device, under the replay's default device, as the stand-ins are
+
+def _zeros(signature: tuple[tuple[tuple[int, ...], np.dtype], ...]) -> list[jax.Array]:
+    """The first call's output buffers: zeros of ``signature`` (shapes and dtypes), jitted by
+    :class:`ReplayPrograms`, one program per call.
+
+    Why a program: its outputs are buffers XLA owns, which a later call can take by donation
+    (a ``device_put`` of numpy zeros is donated but not written into); and one program per
+    call, where an eager ``jnp.zeros`` per leaf compiled one per distinct leaf shape on the
+    replay thread at the first window (91 compiles, 12 s, for a tree of 201 small leaves).
+    Made without a device, under the replay's default device, as the stand-ins are
     (uncommitted): one replay program for the first call and the later ones, whatever mesh
     the loop has set."""
-    return [jax.device_put(np.zeros(np.shape(x), x.dtype), may_alias=False) for x in arrays]
+    return [jnp.zeros(shape, dtype) for shape, dtype in signature]
 
 
 def _split(args: list[Any], advanced: list[int]) -> tuple[list[Any], list[Any]]:
