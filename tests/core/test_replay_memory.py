@@ -155,10 +155,28 @@ def test_replay_outputs_land_in_the_same_buffers_every_call(monkeypatch):
     """Every replay call writes its outputs, which are the host copy of its rows, into the
     buffers it wrote at the phase before (its inputs, donated: in place) and, once the sink
     is done with a copy, in the window before: fresh output memory per call is what made
-    the replay run at a fraction of a memcpy (page faults), and the checkpoints stay exact."""
+    the replay run at a fraction of a memcpy (page faults), and the checkpoints stay exact.
+    The first run of a call writes into the zeros made for it (not new memory beside them:
+    a ``device_put`` of numpy zeros, even with ``may_alias=False``, was not always written
+    into, and the first window held its outputs twice)."""
     from conftest import CopyingSink, assert_bitwise, run_loop
 
     addresses = _call_addresses(monkeypatch)
+    made: set[int] = set()  # where the first runs' output buffers were made
+    init = replay_module.ReplayPrograms.__init__
+
+    def recording_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        zeros = self._zeros
+
+        def recorded(signature):
+            buffers = zeros(signature)
+            made.update(x.unsafe_buffer_pointer() for x in buffers)
+            return buffers
+
+        self._zeros = recorded
+
+    monkeypatch.setattr(replay_module.ReplayPrograms, "__init__", recording_init)
     sink = CopyingSink()
     engine, _, refs = run_loop(optax.adam(1e-2), make_params([(16384, 128), (128,), (8192, 128)]),
                                window=3, interval=4, steps=13, sink=sink)
@@ -170,6 +188,7 @@ def test_replay_outputs_land_in_the_same_buffers_every_call(monkeypatch):
         assert len(set(seen)) == 1, f"call {(i, b)} wrote its outputs in new memory {len(set(seen)) - 1} times"
     every = [a for seen in addresses.values() for a in seen[0]]
     assert len(set(every)) == len(every), "two calls share an output buffer"
+    assert set(every) <= made, "a first run wrote its outputs in new memory, not in the buffers made for it"
     for version, ref in refs.items():
         tree, _ = sink.saved[version]
         assert_bitwise((tree["params"], tree["opt_state"]), ref, f"version {version}")
