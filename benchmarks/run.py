@@ -813,8 +813,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                     best[(cfg, n)] = run
         base_run = best[("none", 0)]
         base = analyse(base_run, 1.0, 1.0)
-        base.update({k: base_run[k] for k in ("config", "rss_peak_bytes", "rss_before_train_bytes",
-                                                "d2h_bytes_per_s", "state_bytes", "param_bytes")})
+        base.update({k: base_run[k] for k in ("config", "rss_peak_bytes", "d2h_bytes_per_s", "state_bytes",
+                                                "param_bytes")})
         base["ettr"] = 1.0
         base["rss_extra_vs_state"] = 0.0
         runs = [best[key] for key in plan[1:]]

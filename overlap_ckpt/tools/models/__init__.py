@@ -11,6 +11,9 @@ from .config import LMConfig
 from .data import SyntheticTokens
 from .linen_lm import TransformerLM, linen_init, linen_loss_fn, next_token_loss, split_batch
 
+# The NNX model loads on first use (see __getattr__).
+_NNX_NAMES = ("NNXTransformerLM", "nnx_init", "nnx_loss_fn")
+
 __all__ = [
     "LMConfig",
     "SyntheticTokens",
@@ -19,16 +22,14 @@ __all__ = [
     "linen_loss_fn",
     "next_token_loss",
     "split_batch",
-    "NNXTransformerLM",
-    "nnx_init",
-    "nnx_loss_fn",
+    *_NNX_NAMES,
 ]
 
 
 def __getattr__(name):
     """The NNX model on first use: flax.nnx takes about 1 s to import, which the Linen
     demo, the CLI and the Linen benchmarks never need."""
-    if name not in ("NNXTransformerLM", "nnx_init", "nnx_loss_fn"):
+    if name not in _NNX_NAMES:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     from . import nnx_lm
 
