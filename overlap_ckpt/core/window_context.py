@@ -9,7 +9,11 @@ JAX *user context* (``jax.make_user_context``): a thread-local value that is par
 
 The value is the tuple of tickets handed out on this thread, one per manager in a window:
 two managers (a GAN's two optimizers) can be in windows at once, and each update picks the
-ticket planned for its own optax transformation (:func:`ticket_for`). A manager hands the
+ticket planned for its own optax transformation (:func:`ticket_for`). The tuple lists the
+managers in a fixed order, not in the order their windows began: in a loop that steps its
+states at different rates (a WGAN's critic several times per generator step), the same
+tickets come out in both orders, and each order was a key of its own that compiled the
+same window variant again on the training thread. A manager hands the
 next step its ticket after each step (:func:`hand_to_next_step`), on the training thread,
 and takes it back (``None``) after the window. While a ticket is out, other jitted
 functions the loop calls on that thread are keyed on it too: each compiles at most once
@@ -71,7 +75,8 @@ def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:
         by_owner.pop(owner, None)
     else:
         by_owner[owner] = ticket
-    _TICKETS(tuple(by_owner.values())).__enter__()
+    ordered = sorted(by_owner.items(), key=lambda item: id(item[0]))  # fixed while the owners live
+    _TICKETS(tuple(t for _, t in ordered)).__enter__()
 
 
 @contextlib.contextmanager

@@ -52,6 +52,26 @@ def test_the_ticket_is_thread_local_and_keys_jit():
     assert traced == [(), ("phase-0",), ("phase-1",)]  # one trace per value, then cache hits
 
 
+def test_the_same_tickets_key_jit_alike_whichever_manager_entered_its_window_first():
+    """Two managers' windows overlap in one order in one cycle and in the other order later
+    (different intervals): the same tickets must make the same key, or the step compiles the
+    same window variant again on the training thread."""
+    first, second = Owner(), Owner()
+    try:
+        hand_to_next_step(first, "first-phase-0")
+        hand_to_next_step(second, "second-phase-0")
+        keyed_then = window_tickets()
+        hand_to_next_step(first, None)
+        hand_to_next_step(second, None)
+        hand_to_next_step(second, "second-phase-0")
+        hand_to_next_step(first, "first-phase-0")
+        assert window_tickets() == keyed_then
+    finally:
+        hand_to_next_step(first, None)
+        hand_to_next_step(second, None)
+    assert window_tickets() == ()
+
+
 def test_other_jitted_functions_compile_once_per_phase_then_never_again(tmp_path):
     params = {"w": jnp.ones((4, 3)) / 4, "b": jnp.zeros(3)}
     x = jnp.linspace(0.0, 1.0, 8).reshape(2, 4)
@@ -126,6 +146,44 @@ def gan_loop(directory, donate: bool) -> None:
                                      jax.tree.leaves((want_params, want_opt))):
                     assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), \
                         (name, step)
+
+
+def test_a_loop_that_steps_two_states_at_different_rates_compiles_each_set_of_tickets_once(tmp_path):
+    """A WGAN-style loop: the critic steps every iteration, the generator every second one,
+    each with its own jitted step and manager. The generator's ticket stays out over two
+    critic steps, so the critic's windows start before it in some cycles and after it in
+    others: the same tickets, handed out in both orders. Each step must be traced once per
+    distinct set of tickets it runs under, never again for the same set."""
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+    txs = {"gen": optax.adam(1e-2), "critic": optax.sgd(1e-1, 0.9)}
+    traced = {"gen": [], "critic": []}
+
+    def jitted(name):
+        @functools.partial(jax.jit, donate_argnums=0)
+        def train_step(state):
+            traced[name].append(frozenset((next(n for n, tx in txs.items() if tx is t.plan.tx), t.phase)
+                                          for t in window_tickets()))
+            grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))(state.params)
+            return state.apply_gradients(grads=grads)
+        return train_step
+
+    def new(tx):
+        params = {"w": jnp.full((4, 3), 0.1, jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+        return oc.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    gen_step, critic_step = jitted("gen"), jitted("critic")
+    with oc.CheckpointManager(f"{tmp_path}/gen", save_interval_steps=4, window=2) as mg, \
+            oc.CheckpointManager(f"{tmp_path}/critic", save_interval_steps=3, window=2) as mc:
+        gen, critic = mg.prepare(new(txs["gen"])), mc.prepare(new(txs["critic"]))
+        for t in range(50):
+            critic = mc.step(critic_step(critic))
+            if t % 2:
+                gen = mg.step(gen_step(gen))
+        mg.wait_until_finished()
+        mc.wait_until_finished()
+        assert mg.all_steps()[-1] == 24 and mc.all_steps()[-1] == 48
+    for name, sets in traced.items():
+        assert len(sets) == len(set(sets)), (name, [sorted(s) for s in sets])
 
 
 def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):
