@@ -44,11 +44,12 @@ class AheadCall(NamedTuple):
 
 class AheadJob(NamedTuple):
     """One background compile: the variant of ``call`` for each ticket, then the host replay
-    of ``plan`` (each ticket is one window phase of that plan)."""
+    of ``plan`` (each ticket is one window phase of that plan; a tuple of tickets, the phases
+    of several managers' windows that one shared step runs at once)."""
 
     call: AheadCall
     plan: CapturePlan
-    tickets: list[WindowTicket]
+    tickets: list[WindowTicket | tuple[WindowTicket, ...]]
 
 
 class CompileAhead:

@@ -21,6 +21,7 @@ import collections
 import dataclasses
 import logging
 import threading
+import weakref
 from typing import Any
 
 import jax
@@ -32,7 +33,7 @@ from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
-from .core.window_context import hand_to_next_step, window_ticket
+from .core.window_context import hand_to_next_step, shared_step_keys, window_ticket
 from .doors.abstract import abstract_arguments, after_the_step, graph_nodes
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
@@ -42,6 +43,10 @@ from .save_tree import Arrange, SaveTree
 from .tiers import LocalTier, TieredStore
 
 log = logging.getLogger(__name__)
+
+# Open managers given a step to compile ahead: a step shared by several runs under their
+# tickets together where windows meet (see CheckpointManager._ahead_job).
+_COMPILING_AHEAD: "weakref.WeakSet[CheckpointManager]" = weakref.WeakSet()
 
 _KEEP_TRACEBACKS = 16  # failures older than this keep their message, not their frames
 
@@ -227,6 +232,7 @@ class CheckpointManager:
             raise TypeError("compile_ahead: none of the arguments is a state of the kind this manager "
                             "prepared; pass the arguments of one call of the step, the state among them")
         ahead = self._ahead
+        _COMPILING_AHEAD.add(self)
         ahead.give(AheadCall(step_fn, *abstract_arguments(args, kwargs)),
                    (graph_nodes(args), [i for i, a in enumerate(args) if self._door.is_state(a)]))
         if self._auto is not None:
@@ -269,12 +275,24 @@ class CheckpointManager:
     def _ahead_job(self) -> AheadJob | None:
         """What to compile ahead, read on the training thread: a later step may re-plan
         (``window="auto"``) while the compile thread runs, and the engine has no plan for a
-        moment then. None when no step was given to :meth:`compile_ahead`."""
+        moment then. None when no step was given to :meth:`compile_ahead`.
+
+        When other managers were given the same step, it runs under their tickets too where
+        windows meet: the variants are then those of every combination of window phases that
+        includes this manager's (each manager compiles those with its own; the ones both
+        compile are compiled once and found in jit's cache by the other)."""
         call = self._ahead.call
         if call is None:
             return None
         plan = self.engine.plan
-        tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+        sharing = {m: (m.engine.schedule, m.engine.plan) for m in list(_COMPILING_AHEAD)
+                   if m is not self and m._ahead.call is not None and m._ahead.call.step_fn is call.step_fn
+                   and m.engine is not None and m.engine.plan is not None}
+        if sharing:  # one jitted step updates several managers' states (a GAN)
+            sharing[self] = (self.engine.schedule, plan)
+            tickets = shared_step_keys(self, sharing)
+        else:
+            tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
         if self._budget.on_full == "skip":
             # A skipped window's steps run variants that copy nothing; a skip comes when the
             # host is already short of memory, the worst moment for a compile on the
@@ -383,6 +401,7 @@ class CheckpointManager:
             self.wait_until_finished()
         finally:
             self._closed = True
+            _COMPILING_AHEAD.discard(self)
             hand_to_next_step(self, None)  # steps after the manager is gone are plain steps
             self._ahead.close()  # a process must not exit in the middle of a compile
             if self.engine is not None:

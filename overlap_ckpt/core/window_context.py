@@ -28,13 +28,16 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import math
 import threading
 import weakref
-from typing import Any, Iterator
+from typing import Any, Iterator, Mapping
 
 import jax
 
 from .capture import WindowTicket, lead_axes
+from .plan import CapturePlan
+from .schedule import WindowSchedule
 
 _TICKETS = jax.make_user_context(default_value=())
 _HANDED = threading.local()  # .by_owner: WeakKeyDictionary {manager: its ticket}, this thread's
@@ -75,13 +78,40 @@ def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:
         by_owner.pop(owner, None)
     else:
         by_owner[owner] = ticket
-    ordered = sorted(by_owner.items(), key=lambda item: id(item[0]))  # fixed while the owners live
-    _TICKETS(tuple(t for _, t in ordered)).__enter__()
+    _TICKETS(keyed(by_owner)).__enter__()
+
+
+def keyed(tickets: Mapping[Any, WindowTicket]) -> tuple[WindowTicket, ...]:
+    """The tickets of several owners as the step sees them: ordered by owner, a fixed order
+    while the owners live, so the same tickets always make the same key."""
+    return tuple(ticket for _, ticket in sorted(tickets.items(), key=lambda item: id(item[0])))
+
+
+def shared_step_keys(own: Any, windows: Mapping[Any, tuple[WindowSchedule, CapturePlan]],
+                     max_steps: int = 4096) -> list[tuple[WindowTicket, ...]]:
+    """Every set of tickets that a step shared by the owners of ``windows`` (owner: its
+    schedule and plan) runs under while ``own`` is in a window, as :func:`keyed` orders them.
+
+    Why: each window step compiles for the tickets of every owner in a window at that step,
+    so the variants of one owner alone are not those a shared step runs when windows meet.
+    The owners' steps are assumed to be counted alike (one jitted step updates every state,
+    as in a GAN); the combinations repeat with the least common multiple of the intervals,
+    of which the first ``max_steps`` steps are looked at.
+    """
+    period = math.lcm(*(schedule.interval for schedule, _ in windows.values()))
+    keys: dict[tuple[WindowTicket, ...], None] = {}
+    for step in range(1, min(period, max_steps) + 1):
+        active = {owner: WindowTicket(plan, phase) for owner, (schedule, plan) in windows.items()
+                  if (phase := schedule.phase(step)) is not None}
+        if own in active:
+            keys[keyed(active)] = None
+    return list(keys)
 
 
 @contextlib.contextmanager
-def window_ticket(ticket: WindowTicket | None) -> Iterator[None]:
-    """Trace, lower or compile a step as the window variant of ``ticket`` inside this block
-    (ahead-of-time compiles: ``with window_ticket(t): train_step.lower(state, batch).compile()``)."""
-    with _TICKETS(() if ticket is None else (ticket,)):
+def window_ticket(ticket: WindowTicket | tuple[WindowTicket, ...] | None) -> Iterator[None]:
+    """Trace, lower or compile a step as the window variant of ``ticket`` (or of a tuple of
+    several owners' tickets, from :func:`keyed`) inside this block (ahead-of-time compiles:
+    ``with window_ticket(t): train_step.lower(state, batch).compile()``)."""
+    with _TICKETS(() if ticket is None else ticket if isinstance(ticket, tuple) else (ticket,)):
         yield

@@ -17,7 +17,7 @@ import optax
 import overlap_ckpt as oc
 from overlap_ckpt.core.window_context import hand_to_next_step, window_ticket, window_tickets
 
-from conftest import run_in_subprocess
+from conftest import compile_threads, run_in_subprocess
 
 
 class Owner:  # a manager, as far as the context is concerned
@@ -184,6 +184,50 @@ def test_a_loop_that_steps_two_states_at_different_rates_compiles_each_set_of_ti
         assert mg.all_steps()[-1] == 24 and mc.all_steps()[-1] == 48
     for name, sets in traced.items():
         assert len(sets) == len(set(sets)), (name, [sorted(s) for s in sets])
+
+
+def test_compile_ahead_of_a_step_shared_by_two_managers_compiles_the_phases_they_run_together(tmp_path):
+    """A GAN step given to both managers' compile_ahead, windows of every 4 and every 6
+    steps (they meet at 12 and 24): the training thread compiles the plain step only, every
+    window variant, alone or combined, comes from the background compiles, and each
+    checkpoint equals its state's synchronous snapshot."""
+    import numpy as np
+
+    x = jnp.linspace(-1.0, 1.0, 8).reshape(2, 4)
+
+    @functools.partial(jax.jit, donate_argnums=(0, 1))
+    def shared_gan_step(gen, disc):
+        g = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["w"] + p["b"]) ** 2))
+        return gen.apply_gradients(grads=g(gen.params)), disc.apply_gradients(grads=g(disc.params))
+
+    def new(tx, scale):
+        params = {"w": jnp.full((4, 3), scale, jnp.float32), "b": jnp.zeros(3, jnp.float32)}
+        return oc.TrainState.create(apply_fn=None, params=params, tx=tx)
+
+    threads = compile_threads("jit(shared_gan_step)")
+    with oc.CheckpointManager(f"{tmp_path}/gen", save_interval_steps=4, window=2) as mg, \
+            oc.CheckpointManager(f"{tmp_path}/disc", save_interval_steps=6, window=2) as md:
+        gen, disc = mg.prepare(new(optax.adam(1e-2), 0.1)), md.prepare(new(optax.sgd(1e-1, 0.9), -0.2))
+        mg.compile_ahead(shared_gan_step, gen, disc)
+        md.compile_ahead(shared_gan_step, gen, disc)
+        snaps = {}
+        for t in range(25):
+            gen, disc = shared_gan_step(gen, disc)
+            gen, disc = mg.step(gen), md.step(disc)
+            snaps[t + 1] = {name: jax.tree.map(np.array, (s.params, s.opt_state))
+                            for name, s in (("gen", gen), ("disc", disc))}
+        for name, mngr, steps in (("gen", mg, [4, 8, 12, 16, 20, 24]), ("disc", md, [6, 12, 18, 24])):
+            mngr.wait_until_finished()
+            assert mngr.all_steps()[-len(steps):] == steps, name
+            for step in steps:
+                saved = mngr.restore(step)
+                for got, want in zip(jax.tree.leaves((saved["params"], saved["opt_state"])),
+                                     jax.tree.leaves(snaps[step][name])):
+                    assert np.asarray(got).tobytes() == np.asarray(want).tobytes(), (name, step)
+    assert threads.count("MainThread") == 1, threads  # the plain step, the user's own program
+    # In the background: each manager's two phases alone and the two pairs run where windows
+    # meet (a pair both managers compile at once may compile twice).
+    assert threads.count("overlap-ckpt-compile-ahead") >= 2 + 2 + 2, threads
 
 
 def test_two_managers_in_windows_at_once_each_capture_their_own_state(tmp_path):

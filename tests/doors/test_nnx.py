@@ -174,6 +174,43 @@ def test_two_donated_optimizers_in_one_step(tmp_path):
     run_in_subprocess(__file__, "gan_loop", str(tmp_path))
 
 
+def test_compile_ahead_of_an_nnx_step_shared_by_two_managers(tmp_path):
+    """Two models and optimizers updated by one ``nnx.jit`` step given to both managers'
+    ``compile_ahead``, windows of every 4 and every 6 steps: the training thread compiles the
+    plain step only (the phases where both windows meet come from the background compiles
+    too), and each checkpoint equals its state's synchronous snapshot."""
+    @nnx.jit
+    def shared_nnx_step(gen, gen_opt, disc, disc_opt, batch):
+        loss_g, grads_g = nnx.value_and_grad(nnx_loss_fn)(gen, batch)
+        gen_opt.update(gen, grads_g)
+        loss_d, grads_d = nnx.value_and_grad(nnx_loss_fn)(disc, batch)
+        disc_opt.update(disc, grads_d)
+        return loss_g + loss_d
+
+    threads = compile_threads("shared_nnx_step")
+    with CheckpointManager(f"{tmp_path}/gen", save_interval_steps=4, window=2) as mg, \
+            CheckpointManager(f"{tmp_path}/disc", save_interval_steps=6, window=2) as md:
+        (gen, gen_opt), (disc, disc_opt) = make(seed=0), make(seed=1)
+        mg.prepare(gen_opt, gen)
+        md.prepare(disc_opt, disc)
+        for mngr in (mg, md):
+            mngr.compile_ahead(shared_nnx_step, gen, gen_opt, disc, disc_opt, DATA.batch(0))
+        snaps = {}
+        for t in range(13):
+            shared_nnx_step(gen, gen_opt, disc, disc_opt, DATA.batch(t))
+            mg.step(gen_opt)
+            md.step(disc_opt)
+            snaps[t + 1] = (snapshot(gen, gen_opt), snapshot(disc, disc_opt))
+        for i, (mngr, steps) in enumerate(((mg, [4, 8, 12]), (md, [6, 12]))):
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == steps
+            for v in steps:
+                raw, _ = mngr.store.restore(v)
+                bitwise_equal(raw["params"], snaps[v][i]["params"])
+                bitwise_equal(raw["opt_state"], snaps[v][i]["opt_state"])
+    assert threads.count("MainThread") == 1, threads
+
+
 class MLP(nnx.Module):
     def __init__(self, rngs):
         self.l1, self.l2 = nnx.Linear(8, 16, rngs=rngs), nnx.Linear(16, 4, rngs=rngs)
