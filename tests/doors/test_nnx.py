@@ -135,17 +135,19 @@ def test_compile_ahead_of_an_nnx_jit_step_compiles_every_window_variant_off_the_
     assert len(compiles) == 3, compiles  # no window variant compiled on the training thread
 
 
+def update_both(gen, gen_opt, disc, disc_opt, batch):
+    """One step of two models, each with its own optimizer (and manager)."""
+    loss_g, grads_g = nnx.value_and_grad(nnx_loss_fn)(gen, batch)
+    gen_opt.update(gen, grads_g)
+    loss_d, grads_d = nnx.value_and_grad(nnx_loss_fn)(disc, batch)
+    disc_opt.update(disc, grads_d)
+    return loss_g + loss_d
+
+
 def gan_loop(directory) -> None:
     """Two models, each with its optimizer and manager, updated in one donating ``nnx.jit``;
     their windows overlap. Each checkpoint equals its own state's synchronous snapshot."""
-    @nnx.jit(donate_argnums=(0, 1, 2, 3))
-    def step(gen, gen_opt, disc, disc_opt, batch):
-        loss_g, grads_g = nnx.value_and_grad(nnx_loss_fn)(gen, batch)
-        gen_opt.update(gen, grads_g)
-        loss_d, grads_d = nnx.value_and_grad(nnx_loss_fn)(disc, batch)
-        disc_opt.update(disc, grads_d)
-        return loss_g + loss_d
-
+    step = nnx.jit(update_both, donate_argnums=(0, 1, 2, 3))
     with CheckpointManager(f"{directory}/gen", save_interval_steps=INTERVAL, window=2) as mg, \
             CheckpointManager(f"{directory}/disc", save_interval_steps=INTERVAL, window=2) as md:
         (gen, gen_opt), (disc, disc_opt) = make(seed=0), make(seed=1)
@@ -179,15 +181,8 @@ def test_compile_ahead_of_an_nnx_step_shared_by_two_managers(tmp_path):
     ``compile_ahead``, windows of every 4 and every 6 steps: the training thread compiles the
     plain step only (the phases where both windows meet come from the background compiles
     too), and each checkpoint equals its state's synchronous snapshot."""
-    @nnx.jit
-    def shared_nnx_step(gen, gen_opt, disc, disc_opt, batch):
-        loss_g, grads_g = nnx.value_and_grad(nnx_loss_fn)(gen, batch)
-        gen_opt.update(gen, grads_g)
-        loss_d, grads_d = nnx.value_and_grad(nnx_loss_fn)(disc, batch)
-        disc_opt.update(disc, grads_d)
-        return loss_g + loss_d
-
-    threads = compile_threads("shared_nnx_step")
+    shared_nnx_step = nnx.jit(update_both)
+    threads = compile_threads("update_both")  # the gan_loop's step runs in a subprocess
     with CheckpointManager(f"{tmp_path}/gen", save_interval_steps=4, window=2) as mg, \
             CheckpointManager(f"{tmp_path}/disc", save_interval_steps=6, window=2) as md:
         (gen, gen_opt), (disc, disc_opt) = make(seed=0), make(seed=1)
