@@ -285,14 +285,12 @@ class CheckpointManager:
         if call is None:
             return None
         plan = self.engine.plan
+        # This manager and every other given the same step (one jitted step updating several
+        # managers' states, a GAN); compile_ahead put each in _COMPILING_AHEAD.
         sharing = {m: (m.engine.schedule, m.engine.plan) for m in list(_COMPILING_AHEAD)
-                   if m is not self and m._ahead.call is not None and m._ahead.call.step_fn is call.step_fn
-                   and m.engine is not None and m.engine.plan is not None}
-        if sharing:  # one jitted step updates several managers' states (a GAN)
-            sharing[self] = (self.engine.schedule, plan)
-            tickets = shared_step_keys(self, sharing)
-        else:
-            tickets = [WindowTicket(plan, phase) for phase in range(plan.k)]
+                   if m._ahead.call is not None and m._ahead.call.step_fn is call.step_fn
+                   and m.engine.plan is not None}
+        tickets = shared_step_keys(self, sharing)
         if self._budget.on_full == "skip":
             # A skipped window's steps run variants that copy nothing; a skip comes when the
             # host is already short of memory, the worst moment for a compile on the

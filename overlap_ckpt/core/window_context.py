@@ -88,23 +88,24 @@ def keyed(tickets: Mapping[Any, WindowTicket]) -> tuple[WindowTicket, ...]:
 
 
 def shared_step_keys(own: Any, windows: Mapping[Any, tuple[WindowSchedule, CapturePlan]],
-                     max_steps: int = 4096) -> list[tuple[WindowTicket, ...]]:
-    """Every set of tickets that a step shared by the owners of ``windows`` (owner: its
-    schedule and plan) runs under while ``own`` is in a window, as :func:`keyed` orders them.
+                     max_windows: int = 4096) -> list[tuple[WindowTicket, ...]]:
+    """Every set of tickets a step runs under in ``own``'s windows, as :func:`keyed` orders
+    them, when the step is shared by the owners of ``windows`` (owner: its schedule and plan;
+    ``own`` among them, alone when nothing else shares its step).
 
     Why: each window step compiles for the tickets of every owner in a window at that step,
     so the variants of one owner alone are not those a shared step runs when windows meet.
     The owners' steps are assumed to be counted alike (one jitted step updates every state,
     as in a GAN); the combinations repeat with the least common multiple of the intervals,
-    of which the first ``max_steps`` steps are looked at.
+    over which the first ``max_windows`` of ``own``'s windows are looked at.
     """
-    period = math.lcm(*(schedule.interval for schedule, _ in windows.values()))
+    schedule = windows[own][0]
+    period = math.lcm(*(other.interval for other, _ in windows.values()))
     keys: dict[tuple[WindowTicket, ...], None] = {}
-    for step in range(1, min(period, max_steps) + 1):
-        active = {owner: WindowTicket(plan, phase) for owner, (schedule, plan) in windows.items()
-                  if (phase := schedule.phase(step)) is not None}
-        if own in active:
-            keys[keyed(active)] = None
+    for version in range(schedule.interval, min(period, schedule.interval * max_windows) + 1, schedule.interval):
+        for step in range(schedule.first_step(version), version + 1):
+            keys[keyed({owner: WindowTicket(plan, phase) for owner, (other, plan) in windows.items()
+                        if (phase := other.phase(step)) is not None})] = None
     return list(keys)
 
 

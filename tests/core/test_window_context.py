@@ -186,6 +186,28 @@ def test_a_loop_that_steps_two_states_at_different_rates_compiles_each_set_of_ti
         assert len(sets) == len(set(sets)), (name, [sorted(s) for s in sets])
 
 
+def test_the_keys_of_a_shared_step_cover_windows_far_apart():
+    """Intervals of 10000 and 6000 steps (common period 30000, windows at its end): every
+    combination the step runs under in the first manager's windows, and only those."""
+    import dataclasses as dc
+
+    from overlap_ckpt.core.capture import WindowTicket
+    from overlap_ckpt.core.schedule import WindowSchedule
+    from overlap_ckpt.core.window_context import keyed, shared_step_keys
+
+    @dc.dataclass(frozen=True)
+    class Plan:  # what a ticket reads of a plan
+        k: int
+
+    first, second = Owner(), Owner()
+    windows = {first: (WindowSchedule(10000, 2), Plan(2)), second: (WindowSchedule(6000, 3), Plan(3))}
+    a, b = ([WindowTicket(plan, j) for j in range(plan.k)] for _, plan in windows.values())
+    assert shared_step_keys(first, windows) == [
+        keyed({first: a[0]}), keyed({first: a[1]}),  # steps 9999 and 10000 (and 19999, 20000)
+        keyed({first: a[0], second: b[1]}), keyed({first: a[1], second: b[2]}),  # 29999, 30000
+    ]
+
+
 def test_compile_ahead_of_a_step_shared_by_two_managers_compiles_the_phases_they_run_together(tmp_path):
     """A GAN step given to both managers' compile_ahead, windows of every 4 and every 6
     steps (they meet at 12 and 24): the training thread compiles the plain step only, every
