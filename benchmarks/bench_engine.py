@@ -64,10 +64,11 @@ def loss_fn(params, x):
 
 
 def run(params, tx, *, window: int | None, interval: int, steps: int, batch: int, width: int,
-        replay_alone: bool = False):
+        replay_alone: bool = False, whole_leaves: bool = False):
     opt_state = tx.init(params)
     params = jax.tree.map(jnp.copy, params)
-    engine = OverlapEngine(tx, DoneAtOnceSink(), interval=interval, window=window or 1)
+    engine = OverlapEngine(tx, DoneAtOnceSink(), interval=interval, window=window or 1,
+                           chunk_leaves=False if whole_leaves else None)
     plan = engine.plan_for(params, opt_state, {"step": jnp.int32(0)})
 
     @functools.partial(jax.jit, donate_argnums=(1, 2))
@@ -153,6 +154,9 @@ def main(argv=None) -> dict:
     ap.add_argument("--replay-alone", action="store_true",
                     help="wait for each phase's replay before the next step (replay throughput on an "
                          "idle host, as beside an accelerator; step times then include the replay)")
+    ap.add_argument("--whole-leaves", action="store_true",
+                    help="slice by whole leaves (the plan of optimizers whose code depends on leaf "
+                         "shapes) instead of row chunks")
     ap.add_argument("--json")
     args = ap.parse_args(argv)
     params = make_state(args.params, args.width)
@@ -163,9 +167,11 @@ def main(argv=None) -> dict:
     base_median = statistics.median(base)
     direct = direct_update_bytes_per_s(params, tx)
     report = {"params": int(n), "state_bytes": int(n * 12), "baseline_step_s": base_median,
-              "replay_alone": args.replay_alone, "direct_update_gb_per_s": direct / 1e9, "runs": {}}
+              "replay_alone": args.replay_alone,
+              "whole_leaves": args.whole_leaves, "direct_update_gb_per_s": direct / 1e9, "runs": {}}
     for k in sorted({1, args.window}):
-        engine, plan, times, in_window = run(params, tx, window=k, replay_alone=args.replay_alone, **common)
+        engine, plan, times, in_window = run(params, tx, window=k, replay_alone=args.replay_alone,
+                                             whole_leaves=args.whole_leaves, **common)
         window_steps = [t for t, w in zip(times, in_window) if w]
         added = statistics.mean(window_steps) - base_median
         replay = engine.replayed_bytes / engine.apply_seconds if engine.replayed_bytes else None

@@ -89,6 +89,11 @@ class Interpreter:
         # leaf read this way with one parameter leaf belongs to its slice even when the
         # update never writes it (a frozen copy of the initial params).
         self.co_reads: list[Tokens] = []
+        # Traced scalars that array operations read, with how many do: see
+        # :meth:`scalars_read_by_several`.
+        self._broadcast_reads: dict[int, list] = {}
+        # Whether the program branches or loops (a cond, a while, a scan): see ``replay``.
+        self.branches = False
 
     # -- cuts ---------------------------------------------------------------------------
     def _cut(self, value: Any, where: str, primitive: str, *, read: bool = False) -> Labelled:
@@ -183,9 +188,12 @@ class Interpreter:
         if any(True for _ in jcore.jaxprs_in_params(eqn.params)):
             # while/scan and other loops: opaque. Every output may depend on every input,
             # and nothing inside is cut, so leaf data inside forbids chunking.
+            self.branches = True
             self._mark_read(ins)
             return [Labelled(o, tokens, bool(tokens) or from_cut or nonel, from_cut) for o in outs]
         shapes = [tuple(np.shape(o)) for o in outs]
+        if any(shapes):
+            self._note_broadcast_scalars(ins)
         elementwise = rules.is_elementwise(name, [tuple(np.shape(i.value)) for i in ins])
         if rules.is_global_scalar(shapes, bool(tokens), elementwise, from_cut):
             where = f"{name} at {eqn.source_info.name_stack}" if hasattr(eqn, "source_info") else name
@@ -198,12 +206,31 @@ class Interpreter:
             return [Labelled(o, tokens, nonel or escaped, from_cut, leaf_tokens) for o in outs]
         return [Labelled(o, tokens, bool(tokens) or from_cut or nonel, from_cut) for o in outs]
 
+    def _note_broadcast_scalars(self, ins: list[Labelled]) -> None:
+        for i in ins:
+            if np.ndim(i.value) == 0 and isinstance(i.value, jax.core.Tracer):
+                self._broadcast_reads.setdefault(id(i.value), [i.value, 0])[1] += 1
+
+    def scalars_read_by_several(self) -> list[Any]:
+        """The traced scalars that more than one array operation reads (each broadcast into
+        several leaves' updates: a bias correction, a learning rate, a clipping scale).
+
+        Why: XLA:CPU compiles a scalar that one operation reads into that operation's
+        vectorised loop, and one that several read on its own, and the two round
+        differently (a ``pow`` in a bias correction differs in the last bit). The host
+        replay of a slice computes fewer leaves than the device, so a scalar that every
+        leaf reads on the device may have one reader there; returning these from the
+        replay keeps each one computed on its own, as on the device. A scalar that only
+        one operation reads on the whole tree is left alone: the device fuses it too."""
+        return [value for value, reads in self._broadcast_reads.values() if reads > 1]
+
     def _note_co_read(self, ins: list[Labelled]) -> None:
         leafwise = [i.leaf_tokens for i in ins if i.leaf_tokens]
         if len(leafwise) > 1:
             self.co_reads.append(Tokens().union(*leafwise))
 
     def _eval_cond(self, eqn, ins: list[Labelled]) -> list[Labelled]:
+        self.branches = True
         self._mark_read(ins)
         index, ops = ins[0], ins[1:]
         branches: Sequence[jcore.ClosedJaxpr] = eqn.params["branches"]

@@ -210,11 +210,11 @@ class WindowReplay:
         del moving, params_in, state_in, grads_in
         n = len(plan.params)
         advanced = [*by_leaf, *(n + j for j in owned)]
-        outs = self.programs.run(args, injected, advanced, reuse, in_place=not first_run)
+        outs, shared = self.programs.run(args, injected, advanced, reuse, in_place=not first_run)
         del args, donated
-        self.buffers.calls[call] = [outs[x] for x in advanced]
+        self.buffers.calls[call] = outs
         self.replayed_bytes += sum(self.programs.bytes_of(c.keep) for c in by_leaf.values())
-        self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
+        self.shared_after_replay = [np.asarray(x) for x in shared]
 
     def _replay_batch(self, batch: tuple[Chunk, ...], grad_parts: GradParts, injected: list[np.ndarray]) -> None:
         """One replay call over ``batch`` of a whole-leaf plan: its inputs are the host
@@ -229,14 +229,15 @@ class WindowReplay:
         args = self.programs.arguments(params_in, state_in, grads_in, self.shared)
         n = len(plan.params)
         del params_in, state_in, grads_in
-        outs = self.programs.run(args, injected, [*by_leaf, *(n + j for j in owned)])
+        outs, shared = self.programs.run(args, injected, [*by_leaf, *(n + j for j in owned)])
         del args
-        for k, c in by_leaf.items():
-            _scatter(plan.params[k], self.buffers.params[k], outs[k])
+        outs = iter(outs)
+        for (k, c), out in zip(by_leaf.items(), outs):
+            _scatter(plan.params[k], self.buffers.params[k], out)
             self.replayed_bytes += self.programs.bytes_of(c.keep)
-        for j in owned:
-            _scatter(plan.state[j], self.buffers.state[j], outs[n + j])
-        self.shared_after_replay = [np.asarray(outs[n + j]) for j in plan.analysis.shared_state]
+        for j, out in zip(owned, outs):
+            _scatter(plan.state[j], self.buffers.state[j], out)
+        self.shared_after_replay = [np.asarray(x) for x in shared]
 
     def _gather(self, layout: LeafLayout, blocks: Any, rows: Piece, grad_parts: GradParts | None = None) -> np.ndarray:
         """The replay input of one leaf: ``rows`` of each of its blocks (of the host copy,
@@ -411,15 +412,27 @@ class ReplayPrograms:
 
         signature, read = plan.analysis.cut_signature, plan.analysis.cut_read
 
+        shared = [n + j for j in plan.analysis.shared_state]
+
         def run(moving, fixed, injected, reuse):
             del reuse  # donated: XLA writes the outputs into these buffers (see :meth:`run`)
             moving = iter(moving)
             args = [next(moving) if x is None else x for x in fixed]
-            outs, _ = interpret(flat, "inject", args, tokens, injected, signature, read)
-            # Returning the injected scalars gives each one the extra use it has on the
-            # device (where it is also shipped out): XLA:CPU rewrites a division by a
-            # broadcast scalar differently when the scalar has a single use.
-            return _advanced_first([o.value for o in outs], _advanced(fixed)), list(injected)
+            outs, interp = interpret(flat, "inject", args, tokens, injected, signature, read)
+            outs = [o.value for o in outs]
+            advanced = _advanced(fixed)
+            # What the host keeps comes first; the stand-ins' updates are dead code, which XLA
+            # removes (see :meth:`run`), unless the update branches or loops: XLA then drops
+            # the unused results of a branch and compiles what stays in it otherwise than
+            # the device does (a scalar left with one reader, see below), so they stay.
+            kept = {*advanced, *shared}
+            alive = [o for x, o in enumerate(outs) if x not in kept] if interp.branches else []
+            # The scalars returned besides are there for their extra use: XLA:CPU compiles a
+            # scalar with one reader into that reader's loop, which rounds differently. The
+            # injected ones have it on the device (where they are also shipped out); the
+            # others, read by several leaves on the device, may have one reader left here.
+            return (([outs[x] for x in advanced], [outs[x] for x in shared], alive),
+                    [*injected, *interp.scalars_read_by_several()])
 
         # keep_unused: jit drops arguments the program does not read, and a dropped
         # argument is not donated (the outputs would go to fresh memory again).
@@ -571,13 +584,12 @@ class ReplayPrograms:
         for i, args, injected, advanced in self._calls():
             with blame(self._flat, args, f"on slice {i} of a window",
                        f"rehearsing the host replay of slice {i} of a window"):
-                outs, _ = jax.eval_shape(self._run, *_split(args, advanced), injected,
-                                         [args[x] for x in advanced])
-                outs = _in_argument_order(outs, advanced)
-            for k, x in enumerate(args[:len(plan.params)]):
-                if tuple(outs[k].shape) != x.shape:
+                (outs, _, _), _ = jax.eval_shape(self._run, *_split(args, advanced), injected,
+                                                 [args[x] for x in advanced])
+            for x, out in zip(advanced, outs):
+                if x < len(plan.params) and tuple(out.shape) != args[x].shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "
-                                         f"{tuple(outs[k].shape)} for an input of shape {x.shape}")
+                                         f"{tuple(out.shape)} for an input of shape {args[x].shape}")
 
     def compile(self) -> None:
         """Compile every replay program before the first window (``compile_ahead``).
@@ -644,53 +656,43 @@ class ReplayPrograms:
         return jax.ShapeDtypeStruct(shape, layout.dtype)
 
     def run(self, args: list[Any], injected: list[np.ndarray], advanced: list[int],
-            reuse: list[jax.Array] | None = None, *, in_place: bool = False) -> list[jax.Array]:
-        """One replay call: the outputs at ``advanced`` (the leaves it advances, shaped as
-        their inputs) are written into the buffers ``reuse`` (donated; new ones when None)
-        or, ``in_place``, into the buffers of those leaves' inputs (donated).
+            reuse: list[jax.Array] | None = None, *,
+            in_place: bool = False) -> tuple[list[jax.Array], list[jax.Array]]:
+        """One replay call: (the updates of the leaves at ``advanced``, in that order and
+        shaped as their inputs; the updates of the shared state leaves). The first are
+        written into the buffers ``reuse`` (donated; new ones when None) or, ``in_place``,
+        into the buffers of those leaves' inputs (donated).
 
-        Why: XLA:CPU puts every output of a call in fresh memory, and on this hardware
-        faulting in fresh pages cost several times the update itself (a 16 MB chunk, alone:
-        40 ms for the update into fresh outputs and the copy back, 6 ms for the update into
-        memory already touched, 4.5 ms in place, 3 ms for a memcpy). Donation changes where
-        the outputs go, not the program: the values are those of the device's update, bit
-        for bit (tested). Buffers that something still views (a numpy view of a copy being
-        persisted) are not donated by JAX: the outputs then go to new memory.
+        Why only these: the stand-ins' updates are not kept, and a program that returned
+        them computed the whole optimizer over every leaf of the tree at every call (a call
+        of the 20M LM, K=3, advances 7 of 19 leaves). Left unreturned, they are dead code
+        that XLA removes: less work per call, and less host memory per compiled program,
+        which on XLA:CPU grows with the program's operations. What the kept leaves compute
+        is unchanged, bit for bit (tested against the device's update).
+
+        Why donation: XLA:CPU puts every output of a call in fresh memory, and on this
+        hardware faulting in fresh pages cost several times the update itself (a 16 MB
+        chunk, alone: 40 ms for the update into fresh outputs and the copy back, 6 ms for
+        the update into memory already touched, 4.5 ms in place, 3 ms for a memcpy).
+        Donation changes where the outputs go, not the program. ``jit`` gives each donated
+        buffer to the first output of its shape and dtype, in output order: the advanced
+        leaves come first, in the order of the buffers they reuse. Buffers that something
+        still views (a numpy view of a copy being persisted) are not donated by JAX: the
+        outputs then go to new memory.
         """
         moving, fixed = _split(args, advanced)
         with jax.default_device(self.cpu):
             if in_place:
-                outs = self._run_in_place(moving, fixed, injected, [])[0]
+                outs, shared, _ = self._run_in_place(moving, fixed, injected, [])[0]
             else:
-                outs = self._run(moving, fixed, injected, self._zeros(_signature(moving)) if reuse is None else reuse)[0]
-        return _in_argument_order(outs, advanced)
+                reuse = self._zeros(_signature(moving)) if reuse is None else reuse
+                outs, shared, _ = self._run(moving, fixed, injected, reuse)[0]
+        return outs, shared
 
 
 def _advanced(fixed: list[Any]) -> list[int]:
     """The positions :func:`_split` took out of ``fixed`` (None there), in order."""
     return [x for x, a in enumerate(fixed) if a is None]
-
-
-def _advanced_first(outs: list[Any], advanced: list[int]) -> list[Any]:
-    """The outputs at ``advanced`` (in that order), then the others.
-
-    Why: ``jit`` gives each donated buffer to the first output of its shape and dtype, in
-    output order. Output ``x`` of a call is the update of argument ``x``, and the stand-ins'
-    outputs are one-row zeros' updates: in argument order, a stand-in before a one-row chunk
-    of the same row shape took that chunk's donated buffer, and the chunk went to new memory
-    at every call (20 of 378 outputs, on a tree of 201 small leaves)."""
-    at = set(advanced)
-    return [outs[x] for x in advanced] + [o for x, o in enumerate(outs) if x not in at]
-
-
-def _in_argument_order(outs: list[Any], advanced: list[int]) -> list[Any]:
-    """Undo :func:`_advanced_first`: output ``x`` is the update of argument ``x`` again."""
-    at = set(advanced)
-    order = list(advanced) + [x for x in range(len(outs)) if x not in at]
-    result: list[Any] = [None] * len(outs)
-    for x, o in zip(order, outs):
-        result[x] = o
-    return result
 
 
 def _signature(arrays: list[Any]) -> tuple[tuple[tuple[int, ...], np.dtype], ...]:
