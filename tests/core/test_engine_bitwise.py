@@ -102,6 +102,16 @@ def test_bf16_params(window):
     check_windows(sink, refs)
 
 
+@pytest.mark.xfail(strict=True, raises=AssertionError,
+                   reason="known miss, found 2026-11-26 by running optax chains no test ran: the host "
+                          "replay of novograd's moments differs from the device's in the last bit (the "
+                          "code before d22d545 too); K=1, which replays nothing, is exact")
+def test_novograd_replay_is_bitwise():
+    _, sink, refs = run_loop(optax.scale_by_novograd(), make_params(MIXED), window=2, interval=5, steps=12,
+                             chunk_leaves=False)
+    check_windows(sink, refs)
+
+
 def test_whole_leaf_slicing_forced():
     engine, sink, refs = run_loop(optax.adam(1e-2), make_params(MIXED), window=3, interval=6, steps=12,
                                   chunk_leaves=False)
@@ -120,6 +130,17 @@ MORE = {
     "adaptive_grad_clip_sgd": lambda: optax.chain(optax.adaptive_grad_clip(0.1), optax.sgd(0.1)),
     "ema_sgd": lambda: optax.chain(optax.ema(0.9), optax.sgd(0.1)),
     "clip_adam": lambda: optax.chain(optax.clip(0.1), optax.adam(1e-3)),
+    "nadamw": lambda: optax.nadamw(1e-2, weight_decay=0.1),
+    "radam": lambda: optax.radam(1e-2),
+    "yogi": lambda: optax.yogi(1e-2),
+    "adan": lambda: optax.adan(1e-2),
+    "amsgrad": lambda: optax.amsgrad(1e-2),
+    "adamax": lambda: optax.adamax(1e-2),
+    # Scalars (learning rates, bias corrections) that only some leaves read: the host replay
+    # keeps apart those several leaves read (see ReplayPrograms), whichever leaves a call has.
+    "multi_transform_adamw_sgd": lambda: optax.multi_transform(
+        {"matrix": optax.adamw(1e-2), "other": optax.sgd(0.1, momentum=0.5)},
+        lambda params: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "other", params)),
 }
 
 
@@ -148,6 +169,8 @@ DOC_ROWS = {
     "apply_if_finite(adam)": "apply_if_finite", "MultiSteps(adam, 4)": "multisteps4",
     "inject_hyperparams(adamw)": "inject_adamw", "chain(adaptive_grad_clip, sgd)": "adaptive_grad_clip_sgd",
     "chain(ema, sgd)": "ema_sgd", "contrib.prodigy": "prodigy", "contrib.cocob": "cocob", "contrib.dowg": "dowg",
+    "nadamw": "nadamw", "radam": "radam", "yogi": "yogi", "adan": "adan", "amsgrad": "amsgrad", "adamax": "adamax",
+    "multi_transform(adamw, sgd(momentum))": "multi_transform_adamw_sgd",
 }
 
 
