@@ -89,9 +89,10 @@ class Interpreter:
         # leaf read this way with one parameter leaf belongs to its slice even when the
         # update never writes it (a frozen copy of the initial params).
         self.co_reads: list[Tokens] = []
-        # Traced scalars that array operations read, with how many do: see
-        # :meth:`scalars_read_by_several`.
+        # Traced scalars that array operations read, with how many do, and (inject mode) the
+        # branch outputs that carry injected values: see :meth:`kept_apart`.
         self._broadcast_reads: dict[int, list] = {}
+        self._branch_slots: list[Any] = []
         # Whether the program branches or loops (a cond, a while, a scan): see ``replay``.
         self.branches = False
 
@@ -211,18 +212,26 @@ class Interpreter:
             if np.ndim(i.value) == 0 and isinstance(i.value, jax.core.Tracer):
                 self._broadcast_reads.setdefault(id(i.value), [i.value, 0])[1] += 1
 
-    def scalars_read_by_several(self) -> list[Any]:
-        """The traced scalars that more than one array operation reads (each broadcast into
-        several leaves' updates: a bias correction, a learning rate, a clipping scale).
+    def kept_apart(self) -> list[Any]:
+        """Values the host replay returns besides the leaves it keeps (inject mode), so that
+        XLA:CPU compiles each one as it does on the device, where it has the same uses.
 
         Why: XLA:CPU compiles a scalar that one operation reads into that operation's
         vectorised loop, and one that several read on its own, and the two round
-        differently (a ``pow`` in a bias correction differs in the last bit). The host
-        replay of a slice computes fewer leaves than the device, so a scalar that every
-        leaf reads on the device may have one reader there; returning these from the
-        replay keeps each one computed on its own, as on the device. A scalar that only
-        one operation reads on the whole tree is left alone: the device fuses it too."""
-        return [value for value, reads in self._broadcast_reads.values() if reads > 1]
+        differently (a ``pow`` in a bias correction differs in the last bit). The same holds
+        for a branch: the device ships the scalars a branch cuts as outputs of the branch,
+        and a branch that does not output them compiles otherwise (novograd's moments,
+        whose per-leaf norms are cut inside a ``lax.cond``, differed in the last bit).
+        Returned here:
+
+        * the traced scalars that more than one array operation reads (a bias correction,
+          a learning rate, a clipping scale). The replay of a slice computes fewer leaves
+          than the device, so a scalar that every leaf reads on the device may have one
+          reader there. One read by a single operation on the whole tree is left alone:
+          the device fuses it too;
+        * every branch's cut slots, which carry the injected values where the device's
+          carry the values it shipped."""
+        return [*(value for value, reads in self._broadcast_reads.values() if reads > 1), *self._branch_slots]
 
     def _note_co_read(self, ins: list[Labelled]) -> None:
         leafwise = [i.leaf_tokens for i in ins if i.leaf_tokens]
@@ -258,8 +267,7 @@ class Interpreter:
                 inner.finish()
                 labels[b][:] = [(o.tokens, o.nonelementwise, o.from_cut) for o in outs]
                 slots = [jax.numpy.zeros(s.shape, s.dtype) for p in probes for s in p]
-                if self.mode == "record":
-                    slots[offsets[b]:offsets[b + 1]] = inner.cuts
+                slots[offsets[b]:offsets[b + 1]] = inner.cuts if self.mode == "record" else inner.injected
                 return [o.value for o in outs], slots
             return run
 
@@ -268,6 +276,8 @@ class Interpreter:
         if self.mode == "record":
             for value in slot_values:
                 self._cut(value, "cond", "cond", read=True)
+        else:
+            self._branch_slots.extend(slot_values)
         result = []
         for k, value in enumerate(out_values):
             tokens = index.tokens.union(*(labels[b][k][0] for b in range(len(branches))))

@@ -427,12 +427,11 @@ class ReplayPrograms:
             # the device does (a scalar left with one reader, see below), so they stay.
             kept = {*advanced, *shared}
             alive = [o for x, o in enumerate(outs) if x not in kept] if interp.branches else []
-            # The scalars returned besides are there for their extra use: XLA:CPU compiles a
-            # scalar with one reader into that reader's loop, which rounds differently. The
-            # injected ones have it on the device (where they are also shipped out); the
-            # others, read by several leaves on the device, may have one reader left here.
+            # The values returned besides are there for the uses they have on the device, which
+            # XLA:CPU compiles otherwise than a value with fewer: the injected scalars (shipped
+            # out on the device), and those of Interpreter.kept_apart.
             return (([outs[x] for x in advanced], [outs[x] for x in shared], alive),
-                    [*injected, *interp.scalars_read_by_several()])
+                    [*injected, *interp.kept_apart()])
 
         # keep_unused: jit drops arguments the program does not read, and a dropped
         # argument is not donated (the outputs would go to fresh memory again).

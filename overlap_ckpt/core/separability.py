@@ -35,7 +35,7 @@ KNOWN_EXACT_OPTIMIZERS = (
     "sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "adabelief", "lamb", "lars", "adafactor",
     "clip_by_global_norm", "clip", "apply_if_finite", "MultiSteps", "inject_hyperparams",
     "adaptive_grad_clip", "ema", "contrib.prodigy", "contrib.cocob", "contrib.dowg", "nadamw", "radam", "yogi",
-    "adan", "amsgrad", "adamax", "multi_transform",
+    "adan", "amsgrad", "adamax", "multi_transform", "novograd",
 )
 
 
