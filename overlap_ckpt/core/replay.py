@@ -231,11 +231,11 @@ class WindowReplay:
         del params_in, state_in, grads_in
         outs, shared = self.programs.run(args, injected, [*by_leaf, *(n + j for j in owned)])
         del args
-        outs = iter(outs)
-        for (k, c), out in zip(by_leaf.items(), outs):
+        params_out, state_out = outs[:len(by_leaf)], outs[len(by_leaf):]
+        for (k, c), out in zip(by_leaf.items(), params_out):
             _scatter(plan.params[k], self.buffers.params[k], out)
             self.replayed_bytes += self.programs.bytes_of(c.keep)
-        for j, out in zip(owned, outs):
+        for j, out in zip(owned, state_out):
             _scatter(plan.state[j], self.buffers.state[j], out)
         self.shared_after_replay = [np.asarray(x) for x in shared]
 
