@@ -93,6 +93,10 @@ class Interpreter:
         # branch outputs that carry injected values: see :meth:`kept_apart`.
         self._broadcast_reads: dict[int, list] = {}
         self._branch_slots: list[Any] = []
+        # Inject mode: cut position -> the value a branch's slot output carries there (a
+        # cond's slots are cuts of the interpreter that meets the cond): see ``used_cuts``.
+        self._slot_outputs: dict[int, Any] = {}
+        self._used: list[tuple[int, Any]] = []  # inject mode: (position, injected value) of each injected cut
         # Whether the program branches or loops (a cond, a while, a scan): see ``replay``.
         self.branches = False
 
@@ -121,6 +125,7 @@ class Interpreter:
                 "replayed on chunks. Use whole-leaf slicing (chunk_leaves=False).")
         injected = self.injected[self._next_injected]
         self._next_injected += 1
+        self._used.append((position, injected))
         if np.shape(injected) != np.shape(value) or np.dtype(injected.dtype) != np.dtype(value.dtype):
             raise InterpretError(
                 f"global scalar #{self._next_injected - 1} at {where} is "
@@ -233,6 +238,14 @@ class Interpreter:
           carry the values it shipped."""
         return [*(value for value, reads in self._broadcast_reads.values() if reads > 1), *self._branch_slots]
 
+    def used_cuts(self) -> list[Any]:
+        """Inject mode: the value the program goes on with at each injected cut, in order
+        (what a branch outputs in its slots, where the device's branch outputs the cuts it
+        recorded). A cut that is a slot of a cond met here is that cond's slot output, not
+        the injected value it was given: otherwise XLA drops the inner cond's slot outputs
+        and compiles it differently from the device's."""
+        return [self._slot_outputs.get(position, value) for position, value in self._used]
+
     def _note_co_read(self, ins: list[Labelled]) -> None:
         leafwise = [i.leaf_tokens for i in ins if i.leaf_tokens]
         if len(leafwise) > 1:
@@ -243,41 +256,56 @@ class Interpreter:
         self._mark_read(ins)
         index, ops = ins[0], ins[1:]
         branches: Sequence[jcore.ClosedJaxpr] = eqn.params["branches"]
-        # Dry-run every branch abstractly to learn its cuts, so that all branches can
-        # return the same fixed set of cut slots (a branch fills its own, zeros elsewhere).
-        probes = []
-        for branch in branches:
+
+        def branch_interpreter(b: int, values: Sequence[Any], inner: "Interpreter") -> tuple["Interpreter", list]:
+            outs = inner.eval_closed(branches[b], [
+                Labelled(v, o.tokens, o.nonelementwise, o.from_cut, o.leaf_tokens) for v, o in zip(values, ops)])
+            inner._mark_read(outs)  # what the branch returns, the program after the cond may read
+            inner.finish()
+            return inner, outs
+
+        # Dry-run every branch abstractly to learn its cuts and which of them it reads, so
+        # that all branches return the same fixed set of slots, one per read cut (a branch
+        # fills its own, zeros elsewhere), as the whole program ships its read cuts only.
+        probes, reads = [], []
+        for b in range(len(branches)):
             probe = Interpreter("record")
-            jax.eval_shape(lambda *v, b=branch, p=probe: [o.value for o in p.eval_closed(
-                b, [Labelled(x, o.tokens, o.nonelementwise, o.from_cut, o.leaf_tokens) for x, o in zip(v, ops)])],
-                *[o.value for o in ops])
-            probes.append([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in probe.cuts])
+            jax.eval_shape(lambda *v, b=b, p=probe: [o.value for o in branch_interpreter(b, v, p)[1]],
+                           *[o.value for o in ops])
+            reads.append([n in probe.read for n in range(len(probe.cuts))])
+            probes.append([jax.ShapeDtypeStruct(np.shape(c), c.dtype) for c in probe.read_cuts()])
         offsets = np.cumsum([0] + [len(p) for p in probes])
         injected_slots: list[Any] = []
+        positions: list[int] = []
         if self.mode == "inject":
+            positions = [len(self.signature) + n for n in range(offsets[-1])]
             injected_slots = [self._cut(jax.numpy.zeros(s.shape, s.dtype), "cond", "cond", read=True).value
                               for p in probes for s in p]
+
+        def interpreter(b: int) -> "Interpreter":
+            if self.mode == "record":
+                return Interpreter("record")
+            return Interpreter("inject", injected_slots[offsets[b]:offsets[b + 1]], read=reads[b])
+
         labels: list[list[tuple[Tokens, bool, bool]]] = [[] for _ in branches]
 
         def make_branch(b: int) -> Callable:
             def run(*values):
-                inner = Interpreter(self.mode, injected_slots[offsets[b]:offsets[b + 1]])
-                outs = inner.eval_closed(branches[b], [
-                    Labelled(v, o.tokens, o.nonelementwise, o.from_cut, o.leaf_tokens) for v, o in zip(values, ops)])
-                inner.finish()
+                inner, outs = branch_interpreter(b, values, interpreter(b))
                 labels[b][:] = [(o.tokens, o.nonelementwise, o.from_cut) for o in outs]
                 slots = [jax.numpy.zeros(s.shape, s.dtype) for p in probes for s in p]
-                slots[offsets[b]:offsets[b + 1]] = inner.cuts if self.mode == "record" else inner.injected
+                slots[offsets[b]:offsets[b + 1]] = inner.read_cuts() if self.mode == "record" else inner.used_cuts()
                 return [o.value for o in outs], slots
             return run
 
-        out_values, slot_values = lax.switch(index.value, [make_branch(b) for b in range(len(branches))],
-                                             *[o.value for o in ops])
+        out_values, slot_values = lax.switch(
+            index.value, [make_branch(b) for b in range(len(branches))], *[o.value for o in ops])
         if self.mode == "record":
             for value in slot_values:
                 self._cut(value, "cond", "cond", read=True)
         else:
             self._branch_slots.extend(slot_values)
+            self._slot_outputs.update(zip(positions, slot_values))
         result = []
         for k, value in enumerate(out_values):
             tokens = index.tokens.union(*(labels[b][k][0] for b in range(len(branches))))

@@ -133,6 +133,10 @@ MORE = {
         lambda params: jax.tree.map(lambda x: "matrix" if x.ndim > 1 else "other", params)),
     # Per-leaf norms cut inside a lax.cond: the replay's branch outputs what the device's ships.
     "novograd": lambda: optax.novograd(1e-2),
+    # A cond with cuts inside another cond's branch: the outer replay branch outputs the
+    # inner cond's slot outputs, where the device's outputs what the inner cond recorded.
+    "multisteps_novograd": lambda: optax.MultiSteps(optax.novograd(1e-2), every_k_schedule=2),
+    "apply_if_finite_novograd": lambda: optax.apply_if_finite(optax.novograd(1e-2), max_consecutive_errors=3),
 }
 
 
@@ -140,6 +144,14 @@ MORE = {
 def test_documented_optimizers(name):
     """Every optimizer docs/optimizers.md lists as exact is checked bitwise here."""
     _, sink, refs = run_loop(MORE[name](), make_params(MIXED), window=3, interval=4, steps=9)
+    check_windows(sink, refs)
+
+
+@pytest.mark.xfail(strict=True, reason="known miss (docs/optimizers.md): the moment of a gradient "
+                   "clipped by its global norm inside MultiSteps' cond differs in the last bit")
+def test_multisteps_clip_then_moment_known_miss():
+    tx = optax.MultiSteps(optax.chain(optax.clip_by_global_norm(0.5), optax.trace(0.9)), every_k_schedule=2)
+    _, sink, refs = run_loop(tx, make_params(MIXED), window=3, interval=5, steps=10, chunk_leaves=False)
     check_windows(sink, refs)
 
 
@@ -163,6 +175,7 @@ DOC_ROWS = {
     "chain(ema, sgd)": "ema_sgd", "contrib.prodigy": "prodigy", "contrib.cocob": "cocob", "contrib.dowg": "dowg",
     "nadamw": "nadamw", "radam": "radam", "yogi": "yogi", "adan": "adan", "amsgrad": "amsgrad", "adamax": "adamax",
     "multi_transform(adamw, sgd(momentum))": "multi_transform_adamw_sgd", "novograd": "novograd",
+    "MultiSteps(novograd, 2)": "multisteps_novograd", "apply_if_finite(novograd)": "apply_if_finite_novograd",
 }
 
 

@@ -67,6 +67,25 @@ def test_only_cuts_read_by_leaf_arithmetic_are_shipped_and_injected():
     np.testing.assert_array_equal(np.asarray(host[0].value), np.asarray(outs[0].value))
 
 
+def test_a_branch_ships_only_the_cuts_its_leaf_arithmetic_reads():
+    """Inside a cond, as in the whole program: a global norm's partial sums are computed on
+    both sides, and only the root is a slot (all four were: on 200 leaves of
+    MultiSteps(clip_by_global_norm + adam), 403 shipped scalars and 9.5 s of compile for a
+    window step, 2 and 3.2 s now)."""
+    def fn(x, y):
+        def clipped(v):
+            s = jnp.sqrt(jnp.sum(v[0] * v[0]) + jnp.sum(v[1] * v[1]))
+            return v[0] / s, v[1] / s
+        return list(lax.cond(jnp.sum(x) > 0, clipped, lambda v: v, (x, y)))
+    x, y = jnp.arange(4.0) + 1, jnp.arange(3.0) - 5
+    outs, rec = run(fn, x, y)
+    shipped = [rec.signature[i] for i in sorted(rec.read)]
+    assert [p for p, _ in shipped] == ["convert_element_type", "cond"], rec.signature  # branch index, the root
+    host, _ = interpret(fn, "inject", [x, jnp.zeros(1)], [A, B], rec.read_cuts(), rec.signature,
+                        [i in rec.read for i in range(len(rec.signature))])
+    np.testing.assert_array_equal(np.asarray(host[0].value), np.asarray(outs[0].value))
+
+
 def test_state_read_with_a_parameter_is_a_co_read_but_a_broadcast_count_is_not():
     s, p, c = Tokens({("s", 0)}), Tokens({("p", 0)}), Tokens({("s", 1)})
 
