@@ -1,7 +1,6 @@
 """core.interp (mechanism) and core.rules (policy): which values are global scalars, which
 leaves stay chunkable, which state leaves are read with which parameter."""
 
-import jax
 import jax.numpy as jnp
 import numpy as np
 from jax import lax
