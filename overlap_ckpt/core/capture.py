@@ -188,14 +188,18 @@ def scalars_to_host(plan: CapturePlan, packed: list[jax.Array]) -> list[jax.Arra
     return [to_host(x, plan, sharding) for x in packed]
 
 
-def recorded_update(plan: CapturePlan, params, opt_state, grads) -> tuple[Any, Any, list[jax.Array]]:
-    """Run the user's update while recording the global scalars the host will need."""
+def recorded_update(plan: CapturePlan, params, opt_state, grads, step: Any = None) -> tuple[Any, Any, list[jax.Array]]:
+    """Run the user's update while recording the global scalars the host will need.
+
+    With the runtime step counter on the CPU backend, the update reads each shipped scalar
+    through :func:`cut_barrier`, as the host replay does."""
     params_leaves = jax.tree.leaves(params)
     state_leaves = jax.tree.leaves(opt_state)
     flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
     n, m = len(params_leaves), len(state_leaves)
+    barrier = cut_barrier(step) if plan.platform == "cpu" and step is not None else None
     outs, interp = interpret(flat, "record", [*params_leaves, *state_leaves, *jax.tree.leaves(grads)],
-                             input_tokens(n, m))
+                             input_tokens(n, m), read=plan.analysis.cut_read, barrier=barrier)
     read = tuple(i in interp.read for i in range(len(interp.signature)))
     if read != plan.analysis.cut_read:
         raise InterpretError("the update reads other global scalars in this step than when it was "
@@ -228,6 +232,28 @@ def isolated_gradients(plan: CapturePlan, step: Any, grads):
     if step is None:
         raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
     return jax.lax.cond(always_true(step), lambda g: g, lambda g: jax.tree.map(jnp.negative, g), grads)
+
+
+def cut_barrier(step: Any) -> Callable[[jax.Array], jax.Array]:
+    """The device's barrier at a shipped global scalar (XLA:CPU): the update goes on with
+    the output of a conditional on :func:`always_true` whose taken branch is the identity,
+    an opaque copy of the value it ships.
+
+    Why: the host replay takes the scalar from the device instead of computing it, and what
+    feeds a value decides how XLA fuses it. ``MultiSteps`` around ``clip_by_global_norm``
+    and Adam: on the device the accumulated gradient mean feeds the norm's reductions as
+    well as the clipping, so XLA kept it in a buffer of its own; on the host, where nothing
+    computed the norm from it, XLA fused the mean into the clipping and rounded the moments
+    otherwise (the last bit). Behind a barrier on both sides (the host's picks the device's
+    value beside the one it computed, :func:`overlap_ckpt.core.replay.host_cut_barrier`),
+    the reductions stay in both programs and the clipping reads an opaque scalar on both.
+    """
+    taken = always_true(step)
+
+    def barrier(value: jax.Array) -> jax.Array:
+        other = jnp.negative if jnp.issubdtype(value.dtype, jnp.inexact) else jnp.invert
+        return jax.lax.cond(taken, lambda v: v, other, value)
+    return barrier
 
 
 def always_true(step: Any) -> jax.Array:
@@ -278,7 +304,7 @@ def _window_update(tx: optax.GradientTransformation, ticket: WindowTicket, param
     else:
         grads = isolated_gradients(plan, step, grads)
         if plan.analysis.n_globals:
-            new_params, new_state, cuts = recorded_update(plan, params, opt_state, grads)
+            new_params, new_state, cuts = recorded_update(plan, params, opt_state, grads, step)
         else:
             new_params, new_state = plan.update(params, opt_state, grads)
     if not ticket.capture:

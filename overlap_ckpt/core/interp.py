@@ -17,11 +17,16 @@ of the same structure, see the same sequence.
 
 Only the cuts that something other than scalar arithmetic on cuts reads (a leaf's update,
 an output, a branch or loop) are *read* (:attr:`Interpreter.read`) and need shipping: the
-host takes those from the device and computes the rest from whatever it holds, which
-nothing then uses. Why not ship every cut: a global norm over n leaves is a chain of n
-scalar additions; shipping each partial sum gives each a second use, into which XLA (CPU
-and GPU) fuses the whole chain again, n^2 additions that took a 201-leaf step from 5 s to
-17 s to compile on the CPU.
+host takes those from the device and computes the rest from whatever it holds. Why not
+ship every cut: a global norm over n leaves is a chain of n scalar additions; shipping each
+partial sum gives each a second use, into which XLA (CPU and GPU) fuses the whole chain
+again, n^2 additions that took a 201-leaf step from 5 s to 17 s to compile on the CPU.
+
+A read cut may reach what reads it through a *barrier* (``barrier``), on both sides alike:
+the device goes on with an opaque copy of the value it records, the host with an opaque
+choice between the device's value and the one it computed itself, so that the arithmetic
+feeding the cut stays in the host's program as in the device's (see
+:func:`overlap_ckpt.core.capture.cut_barrier`).
 """
 
 from __future__ import annotations
@@ -68,10 +73,14 @@ class Interpreter:
     mode ``"record"``: cuts are appended to :attr:`cuts` (device step).
     mode ``"inject"``: the cuts that ``read`` marks are replaced by ``injected``, in order
     (host replay); the others keep the value computed here. Without ``read``, every cut is.
+
+    ``barrier``: what the program goes on with at a read cut (see the module docstring).
+    Record mode: ``barrier(value)`` at the cuts ``read`` marks (the plan's, known before the
+    step); inject mode: ``barrier(injected, computed)`` at every injected cut.
     """
 
     def __init__(self, mode: str, injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None,
-                 read: Sequence[bool] | None = None):
+                 read: Sequence[bool] | None = None, barrier: Callable[..., Any] | None = None):
         if mode not in ("record", "inject"):
             raise ValueError(f"unknown interpreter mode {mode!r}")
         self.mode = mode
@@ -82,7 +91,8 @@ class Interpreter:
         self.expected = None if expected is None else list(expected)
         self.injected = list(injected)
         self._next_injected = 0
-        self._inject = None if read is None else list(read)
+        self._read_mask = None if read is None else list(read)
+        self._barrier = barrier
         # Positions of the cuts read by something other than a cut (see the module docstring).
         self.read: set[int] = set()
         # Token sets of leaves read together, element by element (``p0 - p``): a state
@@ -106,8 +116,13 @@ class Interpreter:
         self.signature.append((primitive, str(np.dtype(value.dtype))))
         if read:
             self.read.add(position)
+        # A cond's slots (primitive "cond") carry what its branches cut: their own barriers.
+        barrier = self._barrier if primitive != "cond" else None
         if self.mode == "record":
             self.cuts.append(value)
+            mask = self._read_mask
+            if barrier is not None and mask is not None and position < len(mask) and mask[position]:
+                return Labelled(barrier(value), from_cut=True, cut=position)
             return Labelled(value, from_cut=True, cut=position)
         if self.expected is not None and (position >= len(self.expected)
                                           or self.expected[position] != self.signature[-1]):
@@ -116,7 +131,7 @@ class Interpreter:
                 f"global scalar #{position} is {self.signature[-1]} in the host replay but "
                 f"{want} on the device (at {where}): the optimizer runs different code for "
                 "the host's leaf shapes, so this slicing cannot be replayed exactly.")
-        if self._inject is not None and not (position < len(self._inject) and self._inject[position]):
+        if self._read_mask is not None and not (position < len(self._read_mask) and self._read_mask[position]):
             return Labelled(value, from_cut=True, cut=position)
         if self._next_injected >= len(self.injected):
             raise InterpretError(
@@ -131,6 +146,8 @@ class Interpreter:
                 f"global scalar #{self._next_injected - 1} at {where} is "
                 f"{np.shape(value)}/{value.dtype} on the host but the device recorded "
                 f"{np.shape(injected)}/{injected.dtype}.")
+        if barrier is not None:
+            injected = barrier(injected, value)
         return Labelled(injected, from_cut=True, cut=position)
 
     def read_cuts(self) -> list[Any]:
@@ -283,9 +300,8 @@ class Interpreter:
                               for p in probes for s in p]
 
         def interpreter(b: int) -> "Interpreter":
-            if self.mode == "record":
-                return Interpreter("record")
-            return Interpreter("inject", injected_slots[offsets[b]:offsets[b + 1]], read=reads[b])
+            injected = injected_slots[offsets[b]:offsets[b + 1]] if self.mode == "inject" else ()
+            return Interpreter(self.mode, injected, read=reads[b], barrier=self._barrier)
 
         labels: list[list[tuple[Tokens, bool, bool]]] = [[] for _ in branches]
 
@@ -317,16 +333,18 @@ class Interpreter:
 
 def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tokens],
               injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None,
-              read: Sequence[bool] | None = None) -> tuple[list[Labelled], Interpreter]:
+              read: Sequence[bool] | None = None, barrier: Callable[..., Any] | None = None,
+              ) -> tuple[list[Labelled], Interpreter]:
     """Trace ``fn(*flat_args)`` and evaluate it with labelled inputs.
 
     ``args`` is the flat list of input arrays (concrete or tracers), ``tokens`` their
     labels. Returns the labelled flat outputs and the interpreter (whose ``cuts`` holds
     the recorded global scalars in ``record`` mode, ``read`` which of them are read).
-    ``read`` (inject mode): which cuts ``injected`` holds, as a record found them.
+    ``read``: which cuts are read, as a record found them (inject mode: which ``injected``
+    holds). ``barrier``: see :class:`Interpreter`.
     """
     closed = jax.make_jaxpr(fn)(*args)
-    interp = Interpreter(mode, injected, expected, read)
+    interp = Interpreter(mode, injected, expected, read, barrier)
     outs = interp.eval_closed(closed, [Labelled(a, t, leaf_tokens=t if np.ndim(a) > 0 else Tokens()) for a, t in zip(args, tokens)])
     interp._mark_read(outs)
     interp.finish()

@@ -31,7 +31,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from typing import Any
+from typing import Any, Callable
 
 import jax
 import jax.numpy as jnp
@@ -414,11 +414,12 @@ class ReplayPrograms:
 
         shared = [n + j for j in plan.analysis.shared_state]
 
-        def run(moving, fixed, injected, reuse):
+        def run(moving, fixed, injected, reuse, true):
             del reuse  # donated: XLA writes the outputs into these buffers (see :meth:`run`)
             moving = iter(moving)
             args = [next(moving) if x is None else x for x in fixed]
-            outs, interp = interpret(flat, "inject", args, tokens, injected, signature, read)
+            barrier = host_cut_barrier(true) if plan.platform == "cpu" else None
+            outs, interp = interpret(flat, "inject", args, tokens, injected, signature, read, barrier)
             outs = [o.value for o in outs]
             advanced = _advanced(fixed)
             # What the host keeps comes first; the stand-ins' updates are dead code, which XLA
@@ -584,7 +585,7 @@ class ReplayPrograms:
             with blame(self._flat, args, f"on slice {i} of a window",
                        f"rehearsing the host replay of slice {i} of a window"):
                 (outs, _, _), _ = jax.eval_shape(self._run, *_split(args, advanced), injected,
-                                                 [args[x] for x in advanced])
+                                                 [args[x] for x in advanced], TRUE)
             for x, out in zip(advanced, outs):
                 if x < len(plan.params) and tuple(out.shape) != args[x].shape:
                     raise InterpretError(f"the replay of a slice returns params of shape "
@@ -602,10 +603,10 @@ class ReplayPrograms:
         with jax.default_device(self.cpu):
             for _, args, injected, advanced in self._calls():
                 moving, fixed = _split(args, advanced)
-                self._run.lower(moving, fixed, injected, list(moving)).compile()
+                self._run.lower(moving, fixed, injected, list(moving), TRUE).compile()
                 self._zeros.lower(_signature(moving)).compile()
                 if self.plan.chunked:
-                    self._run_in_place.lower(moving, fixed, injected, []).compile()
+                    self._run_in_place.lower(moving, fixed, injected, [], TRUE).compile()
 
     def _calls(self):
         """``(slice, args, injected, advanced)`` of one replay call per distinct program, as
@@ -682,11 +683,27 @@ class ReplayPrograms:
         moving, fixed = _split(args, advanced)
         with jax.default_device(self.cpu):
             if in_place:
-                outs, shared, _ = self._run_in_place(moving, fixed, injected, [])[0]
+                outs, shared, _ = self._run_in_place(moving, fixed, injected, [], TRUE)[0]
             else:
                 reuse = self._zeros(_signature(moving)) if reuse is None else reuse
-                outs, shared, _ = self._run(moving, fixed, injected, reuse)[0]
+                outs, shared, _ = self._run(moving, fixed, injected, reuse, TRUE)[0]
         return outs, shared
+
+
+# The runtime ``true`` of every replay call (see :func:`host_cut_barrier`): an argument, so
+# that XLA cannot fold the choice it makes.
+TRUE = np.True_
+
+
+def host_cut_barrier(true: jax.Array) -> Callable[[jax.Array, jax.Array], jax.Array]:
+    """The host's barrier at a global scalar it takes from the device: the output of a
+    conditional on the runtime ``true`` that picks the device's value, its other branch
+    the value the host computed from its slice and stand-ins. The update reads an opaque
+    scalar as on the device (:func:`overlap_ckpt.core.capture.cut_barrier`), and the
+    arithmetic that computes the scalar stays in the program, feeding it as on the device."""
+    def barrier(injected: jax.Array, computed: jax.Array) -> jax.Array:
+        return jax.lax.cond(true, lambda a, b: a, lambda a, b: b, injected, computed)
+    return barrier
 
 
 def _advanced(fixed: list[Any]) -> list[int]:

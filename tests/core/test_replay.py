@@ -63,6 +63,6 @@ def test_a_replay_call_computes_only_the_leaves_it_advances(chunk_leaves):
     for i, args, injected, advanced in calls:
         moving, fixed = replay_module._split(args, advanced)
         with jax.default_device(programs.cpu):
-            hlo = programs._run.lower(moving, fixed, injected, list(moving)).compile().as_text()
+            hlo = programs._run.lower(moving, fixed, injected, list(moving), replay_module.TRUE).compile().as_text()
         roots = len(re.findall(r"= f32\[[0-9,]*\]\{?[0-9,]*\}? sqrt\(", hlo))
         assert roots == sum(x < n for x in advanced), (i, advanced)
