@@ -143,6 +143,10 @@ MORE = {
         optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)), every_k_schedule=2),
     "multisteps_clip_trace": lambda: optax.MultiSteps(
         optax.chain(optax.clip_by_global_norm(0.5), optax.trace(0.9)), every_k_schedule=2),
+    "multisteps_clip_lion": lambda: optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(0.5), optax.lion(1e-3)), every_k_schedule=2),
+    "apply_if_finite_multisteps_clip_adamw": lambda: optax.apply_if_finite(optax.MultiSteps(
+        optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)), every_k_schedule=2), max_consecutive_errors=3),
 }
 
 
@@ -176,6 +180,8 @@ DOC_ROWS = {
     "MultiSteps(novograd, 2)": "multisteps_novograd", "apply_if_finite(novograd)": "apply_if_finite_novograd",
     "MultiSteps(chain(clip_by_global_norm, adamw), 2)": "multisteps_clip_adamw",
     "MultiSteps(chain(clip_by_global_norm, trace), 2)": "multisteps_clip_trace",
+    "MultiSteps(chain(clip_by_global_norm, lion), 2)": "multisteps_clip_lion",
+    "apply_if_finite(MultiSteps(chain(clip_by_global_norm, adamw), 2))": "apply_if_finite_multisteps_clip_adamw",
 }
 
 
