@@ -231,7 +231,7 @@ def isolated_gradients(plan: CapturePlan, step: Any, grads):
         return jax.tree.map(jax.lax.optimization_barrier, grads)
     if step is None:
         raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
-    return jax.lax.cond(always_true(step), lambda g: g, lambda g: jax.tree.map(jnp.negative, g), grads)
+    return opaque(always_true(step), grads)
 
 
 def cut_barrier(step: Any) -> Callable[[jax.Array], jax.Array]:
@@ -249,11 +249,17 @@ def cut_barrier(step: Any) -> Callable[[jax.Array], jax.Array]:
     the reductions stay in both programs and the clipping reads an opaque scalar on both.
     """
     taken = always_true(step)
+    return lambda value: opaque(taken, value)
 
-    def barrier(value: jax.Array) -> jax.Array:
-        other = jnp.negative if jnp.issubdtype(value.dtype, jnp.inexact) else jnp.invert
-        return jax.lax.cond(taken, lambda v: v, other, value)
-    return barrier
+
+def opaque(taken: jax.Array, tree: Any) -> Any:
+    """``tree`` as the output of a conditional on ``taken`` (true at run time) whose taken
+    branch is the identity: a materialised buffer XLA:CPU cannot see through or fuse into
+    its readers. The other branch negates (inverts integers), so that XLA cannot merge the
+    two branches."""
+    def other(x: jax.Array) -> jax.Array:
+        return jnp.negative(x) if jnp.issubdtype(x.dtype, jnp.inexact) else jnp.invert(x)
+    return jax.lax.cond(taken, lambda t: t, lambda t: jax.tree.map(other, t), tree)
 
 
 def always_true(step: Any) -> jax.Array:

@@ -120,8 +120,7 @@ class Interpreter:
         barrier = self._barrier if primitive != "cond" else None
         if self.mode == "record":
             self.cuts.append(value)
-            mask = self._read_mask
-            if barrier is not None and mask is not None and position < len(mask) and mask[position]:
+            if barrier is not None and self._marked(position):
                 return Labelled(barrier(value), from_cut=True, cut=position)
             return Labelled(value, from_cut=True, cut=position)
         if self.expected is not None and (position >= len(self.expected)
@@ -131,7 +130,7 @@ class Interpreter:
                 f"global scalar #{position} is {self.signature[-1]} in the host replay but "
                 f"{want} on the device (at {where}): the optimizer runs different code for "
                 "the host's leaf shapes, so this slicing cannot be replayed exactly.")
-        if self._read_mask is not None and not (position < len(self._read_mask) and self._read_mask[position]):
+        if self._read_mask is not None and not self._marked(position):
             return Labelled(value, from_cut=True, cut=position)
         if self._next_injected >= len(self.injected):
             raise InterpretError(
@@ -149,6 +148,11 @@ class Interpreter:
         if barrier is not None:
             injected = barrier(injected, value)
         return Labelled(injected, from_cut=True, cut=position)
+
+    def _marked(self, position: int) -> bool:
+        """Whether ``read`` (as given) marks the cut at ``position``."""
+        mask = self._read_mask
+        return mask is not None and position < len(mask) and mask[position]
 
     def read_cuts(self) -> list[Any]:
         """The recorded cuts that are read (what the device ships), in order."""
@@ -256,8 +260,8 @@ class Interpreter:
         return [*(value for value, reads in self._broadcast_reads.values() if reads > 1), *self._branch_slots]
 
     def used_cuts(self) -> list[Any]:
-        """Inject mode: the value the program goes on with at each injected cut, in order
-        (what a branch outputs in its slots, where the device's branch outputs the cuts it
+        """Inject mode: the value at each injected cut, in order, before any barrier (what a
+        branch outputs in its slots, where the device's branch outputs the cuts it
         recorded). A cut that is a slot of a cond met here is that cond's slot output, not
         the injected value it was given: otherwise XLA drops the inner cond's slot outputs
         and compiles it differently from the device's."""
