@@ -40,7 +40,7 @@ tail -n 12 "$out/aot_gpu_1b.log"
 # the trace as one file (a loan returns few files); read it with jax.profiler.ProfileData
 [ -d /tmp/gpu_check_profile ] && tar czf "$out/profile.tgz" -C /tmp gpu_check_profile
 
-JAX_PLATFORMS=cuda timeout "${MEMORY_TIMEOUT:-140}" $py -m benchmarks.bench_host_memory --model 20m \
+JAX_PLATFORMS=cuda,cpu timeout "${MEMORY_TIMEOUT:-140}" $py -m benchmarks.bench_host_memory --model 20m \
     --batch-size 8 --windows 1 3 --out "$out/gpu_20m_host_memory" > "$out/gpu_20m_host_memory.log" 2>&1
 echo "host memory: exit $?"
 [ -f "$out/gpu_20m_host_memory.md" ] && cat "$out/gpu_20m_host_memory.md"

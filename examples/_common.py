@@ -22,8 +22,9 @@ def parse_args(description: str, default_dir: str) -> argparse.Namespace:
     ap.add_argument("--max-to-keep", type=int, default=3)
     args = ap.parse_args()
     args.window = args.window if args.window == "auto" else int(args.window)
-    # Must happen before jax is imported.
-    os.environ.setdefault("JAX_PLATFORMS", args.platform)
+    # Must happen before jax is imported. The accelerator first (the default backend), and the
+    # CPU beside it: windows of K > 1 steps are replayed on the host with JAX's CPU backend.
+    os.environ.setdefault("JAX_PLATFORMS", args.platform if args.platform == "cpu" else f"{args.platform},cpu")
     return args
 
 

@@ -31,6 +31,7 @@ import jax
 
 from . import costmodel
 from .core import backend
+from .errors import ConfigError
 
 log = logging.getLogger(__name__)
 
@@ -62,10 +63,17 @@ class AutoWindow:
         self.step_time_s: float | None = None
 
     def wants_measurement(self, leaf: Any) -> bool:
-        """False on the CPU backend, where K=1 is final."""
+        """False where K=1 is final: on the CPU backend, and where JAX's CPU backend, which
+        replays windows of K > 1, is not initialized (``JAX_PLATFORMS=cuda``)."""
         device = next(iter(leaf.sharding.device_set))
         if backend.platform_of(device) == "cpu":
             self.done = True
+        elif not self.done:
+            try:
+                backend.replay_device()
+            except ConfigError as e:
+                log.warning("window='auto' keeps K=1: %s", e)
+                self.done = True
         return not self.done
 
     def restart(self) -> None:

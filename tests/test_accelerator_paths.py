@@ -156,3 +156,55 @@ def test_emulation_is_undone():
     assert engine.plan.platform == "cpu" and engine.plan.outbox_memory == "pinned_host"
     tree, _ = sink.saved[2]
     assert_bitwise((tree["params"], tree["opt_state"]), refs[2])
+
+
+@pytest.fixture
+def no_cpu_backend(monkeypatch):
+    """JAX as ``JAX_PLATFORMS=cuda`` leaves it: no CPU backend to replay windows on (the
+    step still runs on this machine's CPU device, standing in for the accelerator). Seen on
+    an H200 loan: K=1 was refused too, as an optimizer the host cannot replay."""
+    local_devices = jax.local_devices
+
+    def without_cpu(*args, backend=None, **kwargs):
+        if backend == "cpu":
+            raise RuntimeError("Unknown backend cpu. Available backends are ['cuda']")
+        return local_devices(*args, backend=backend, **kwargs)
+
+    monkeypatch.setattr(jax, "local_devices", without_cpu)
+
+
+def test_without_a_cpu_backend_a_window_of_k_steps_is_refused_at_prepare_naming_the_fix(tmp_path, no_cpu_backend):
+    with oc.CheckpointManager(tmp_path, save_interval_steps=4, window=3) as mngr:
+        with pytest.raises(oc.errors.ConfigError, match=r"JAX_PLATFORMS=cuda,cpu.*window=1"):
+            mngr.prepare(_train_state(optax.adam(1e-3)))
+
+
+def _train_and_check(mngr, steps, interval):
+    """Steps the manager's loop and checks every checkpoint against the state it was taken of."""
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    state = mngr.prepare(_train_state(optax.adam(1e-3)))
+    references = {}
+    for t in range(steps):
+        state = mngr.step(_step(state, x * (t + 1) / 10))
+        if (t + 1) % interval == 0:
+            references[t + 1] = jax.device_get((state.params, state.opt_state))
+    mngr.wait_until_finished()
+    assert mngr.all_steps() == sorted(references)
+    for version, ref in references.items():
+        saved = mngr.restore(version)
+        assert_bitwise((saved["params"], saved["opt_state"]), ref, f"version {version}")
+
+
+def test_without_a_cpu_backend_window_1_checkpoints(tmp_path, no_cpu_backend):
+    with oc.CheckpointManager(tmp_path, save_interval_steps=4, window=1) as mngr:
+        _train_and_check(mngr, steps=9, interval=4)
+
+
+def test_without_a_cpu_backend_window_auto_keeps_k_1_and_says_why(tmp_path, no_cpu_backend, caplog):
+    interval = 20
+    # A slow link: with a CPU backend, auto would leave K=1 (test_window_auto_picks_the_k_...).
+    with emulate_accelerator("gpu", step_time_s=0.01, d2h_bytes_per_s=2e6):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
+            _train_and_check(mngr, steps=2 * interval + 1, interval=interval)
+            assert mngr.engine.schedule.k == 1
+    assert "window='auto' keeps K=1" in caplog.text and "JAX_PLATFORMS" in caplog.text

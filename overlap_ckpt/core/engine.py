@@ -24,7 +24,7 @@ from typing import Any, Callable, Collection, Protocol
 
 import optax
 
-from ..errors import CheckpointFailure, InternalError, UnsupportedOptimizerError, WindowAborted, brief
+from ..errors import CheckpointFailure, ConfigError, InternalError, UnsupportedOptimizerError, WindowAborted, brief
 from .buffers import HostBuffers, trim_host_memory
 from . import backend, packing
 from .capture import Outbox, WindowTicket
@@ -250,8 +250,8 @@ class OverlapEngine:
         plan = plan_with(self.chunk_leaves)
         try:
             self._rehearse(plan)
-        except InternalError:
-            raise  # a fault of ours: another slicing would hide it, not fix it
+        except (InternalError, ConfigError):
+            raise  # a fault of ours, or of the set-up: another slicing would hide it, not fix it
         except Exception as e:  # noqa: BLE001 - any other failure here means: cannot replay this way
             if not plan.chunked:
                 raise _unreplayable(e) from e

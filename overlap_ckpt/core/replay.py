@@ -39,7 +39,7 @@ import numpy as np
 
 from ..errors import WindowAborted
 from ..hostarray import HostShard, index_key, normalize_index
-from . import scalars
+from . import backend, scalars
 from .capture import Outbox
 from .buffers import (MOVED, XLA_ALIGNMENT, BlockKey, HostBuffers, host_array, replicated_value, rows_of,
                       store_piece, trim_host_memory, unlead)
@@ -405,7 +405,7 @@ class ReplayPrograms:
 
     def __init__(self, plan: CapturePlan):
         self.plan = plan
-        self.cpu = jax.local_devices(backend="cpu")[0]  # this process's (multi-process CPU jobs)
+        self.cpu = backend.replay_device() if plan.k > 1 else None  # K=1 replays nothing
         n, m = len(plan.params), len(plan.state)
         flat = self._flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
         tokens = input_tokens(n, m)
