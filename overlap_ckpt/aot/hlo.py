@@ -59,6 +59,8 @@ class HostCopy:
     asynchronous: bool  # a copy-start/copy-done pair (False: one blocking copy)
     queue: str  # GPU stream (operation_queue_id); "" where the backend does not say
     compute_between: int  # compute instructions scheduled between start and done
+    compute_before: int = 0  # compute instructions scheduled before the start
+    name: str = ""  # the copy-start's (or the blocking copy's) instruction name
 
     @property
     def overlapped(self) -> bool:
@@ -146,11 +148,13 @@ def host_copies(instructions: list[Instruction]) -> list[HostCopy]:
             done = done_of.get(ins.name)
             end = position[done.name] if done is not None else len(instructions)
             between = sum(i.opcode in COMPUTE_OPCODES for i in instructions[n + 1:end])
+            before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
             queue = _QUEUE.search(ins.attributes)
             copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), True,
-                                   queue.group(1) if queue else "", between))
+                                   queue.group(1) if queue else "", between, before, ins.name))
         elif ins.opcode == "copy" and HOST_SPACE in ins.shape:
-            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0))
+            before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
+            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0, before, ins.name))
     return copies
 
 
