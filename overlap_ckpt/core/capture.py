@@ -357,8 +357,11 @@ def captured_before_update(ticket: WindowTicket, params, opt_state, extras: Any)
     :func:`isolated_gradients`), it waits for the copies too. In the last phase it waits
     only for the packing, which reads the state: its per-leaf updates may then run during
     the backward pass as in the plain step (waiting for the copy there held every gradient
-    until the end of the backward pass: 0.5 MB over the tiny LM's outbox), and XLA starts
-    the copy at the beginning of the program. A packed array that is a view of one whole
+    until the end of the backward pass: 0.5 MB over the tiny LM's outbox), and XLA may
+    start the copy at the beginning of the program: it did for the tiny LM, but for the
+    20M-1B LMs it started it after 0.57-0.72 of the step's compute, where its own latency
+    estimate for the copy ran out (compile-only H100, and an H200's trace: see
+    benchmarks/results/gpu_h200_1b_copy_schedule.md). A packed array that is a view of one whole
     leaf (:func:`overlap_ckpt.core.packing.views`) is copied before the update in every
     phase: copied after it, it would read the donated buffer the update overwrites.
     """

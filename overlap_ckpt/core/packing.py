@@ -4,7 +4,8 @@ into per-leaf views on the host.
 Why: XLA's schedulers overlap only some of many small asynchronous host copies with compute
 and run the rest back to back at the start of the program, where nothing computes (the
 compile-only H100 program of a 1B LM overlapped ~90 of 178-877 copies per phase; TPU v5e did
-the same for a small LM). One large copy per group spans the forward and backward passes.
+the same for a small LM). One large copy per group overlaps compute as a whole (where in the
+step XLA starts it is its scheduler's choice: benchmarks/results/gpu_h200_1b_copy_schedule.md).
 
 Packing never moves data between devices: inside ``jax.shard_map`` each device ravels the
 rows it holds of every captured leaf (its local block, or the piece's rows of it) and
