@@ -208,3 +208,35 @@ def test_without_a_cpu_backend_window_auto_keeps_k_1_and_says_why(tmp_path, no_c
             _train_and_check(mngr, steps=2 * interval + 1, interval=interval)
             assert mngr.engine.schedule.k == 1
     assert "window='auto' keeps K=1" in caplog.text and "JAX_PLATFORMS" in caplog.text
+
+
+def test_jit_compiler_options_hint_only_the_last_phase_compiled_ahead(tmp_path, monkeypatch):
+    """The plumbing of the GPU copy schedule hint (its effect on XLA:GPU's schedule:
+    tests/aot/test_copy_schedule.py): the options name the hints directory, compile_ahead
+    prepares a profile for the last phase of the window only, and the checkpoints are those
+    of the state."""
+    from overlap_ckpt.copy_schedule import PGLE_OPTION, CopyScheduleHints
+
+    prepared = []
+    prepare = CopyScheduleHints.prepare
+    monkeypatch.setattr(CopyScheduleHints, "prepare", lambda self, lowered: prepared.append(lowered) or prepare(self, lowered))
+    interval, x = 3, jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    with oc.CheckpointManager(tmp_path / "cpu", save_interval_steps=interval, window=2) as mngr:
+        assert mngr.jit_compiler_options() == {}  # not a GPU: nothing to hint
+    with emulate_accelerator("gpu"):
+        with oc.CheckpointManager(tmp_path / "ckpt", save_interval_steps=interval, window=2) as mngr:
+            options = mngr.jit_compiler_options(str(tmp_path / "hints"))
+            assert options == {PGLE_OPTION: str(tmp_path / "hints")}
+            step = jax.jit(_step.__wrapped__, donate_argnums=0, compiler_options=options)
+            state = mngr.prepare(_train_state(optax.adam(1e-3)))
+            mngr.compile_ahead(step, state, x)
+            references = {}
+            for t in range(2 * interval + 1):
+                state = mngr.step(step(state, x * (t + 1) / 10))
+                if (t + 1) % interval == 0:
+                    references[t + 1] = jax.device_get((state.params, state.opt_state))
+            mngr.wait_until_finished()
+            assert len(prepared) == 1, "only the window's last phase is hinted"
+            for version, ref in references.items():
+                saved = mngr.restore(version)
+                assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")

@@ -98,7 +98,7 @@ def _shardings(tree):
     return jax.tree.map(lambda x: x.sharding, tree)
 
 
-def _train_step(setup: LMSetup, update):
+def _train_step(setup: LMSetup, update, compiler_options: dict | None = None):
     shardings = (_shardings(setup.params), _shardings(setup.opt_state))
 
     def step(params, opt_state, batch, count):
@@ -108,14 +108,16 @@ def _train_step(setup: LMSetup, update):
         return new_params, new_state, count + 1, loss, outbox
 
     in_shardings = (*shardings, _shardings(setup.batch), setup.step.sharding)
-    return jax.jit(step, in_shardings=in_shardings, donate_argnums=(0, 1))
+    return jax.jit(step, in_shardings=in_shardings, donate_argnums=(0, 1), compiler_options=compiler_options)
 
 
-def lower_with(setup: LMSetup):
-    """``lower(ticket)`` for :func:`overlap_ckpt.aot.compile_window`."""
+def lower_with(setup: LMSetup, compiler_options: dict | None = None):
+    """``lower(ticket)`` for :func:`overlap_ckpt.aot.compile_window`; ``compiler_options``:
+    those of the step's ``jax.jit``, as a user passes them."""
     def lower(ticket: WindowTicket | None) -> jax.stages.Lowered:
         update = functools.partial(_capture, setup.tx, ticket)
-        return _train_step(setup, update).lower(setup.params, setup.opt_state, setup.batch, setup.step)
+        return _train_step(setup, update, compiler_options).lower(setup.params, setup.opt_state, setup.batch,
+                                                                  setup.step)
     return lower
 
 
