@@ -48,7 +48,6 @@ class CopyScheduleHints:
     def __init__(self, directory: str | None = None):
         self.directory = directory or tempfile.mkdtemp(prefix="overlap-ckpt-copy-schedule-")
         os.makedirs(self.directory, exist_ok=True)
-        self.hinted: set[str] = set()  # fingerprints of the programs given a profile
 
     def compiler_options(self) -> dict[str, str]:
         """What the user's ``jax.jit(..., compiler_options=...)`` takes."""
@@ -80,6 +79,5 @@ class CopyScheduleHints:
         fingerprint = found.group(1)
         with open(os.path.join(self.directory, fingerprint + ".pbtxt"), "w") as f:
             f.writelines(f'costs {{ name: "{c.name}" cost_us: {HINT_COST_US} }}\n' for c in copies)
-        self.hinted.add(fingerprint)
         log.info("copy schedule hint for %d host copies of program %s", len(copies), fingerprint)
         return True
