@@ -49,10 +49,10 @@ def host_copy_positions(hlo_text: str) -> list[dict]:
 def latency_hint(copies: list[dict], link_gbps: float, factor: float, directory: str) -> str:
     """A PGLE profile (text ``ProfiledInstructionsProto``) costing each host copy-start
     ``factor`` x its bytes at ``link_gbps``; returns its path."""
+    from overlap_ckpt.copy_schedule import write_profile
+
     path = os.path.join(directory, "copy_latency_hint.pbtxt")
-    with open(path, "w") as f:
-        for c in copies:
-            f.write(f'costs {{ name: "{c["start"]}" cost_us: {c["bytes"] / (link_gbps * 1e3) * factor:.1f} }}\n')
+    write_profile(path, {c["start"]: c["bytes"] / (link_gbps * 1e3) * factor for c in copies})
     return path
 
 

@@ -29,7 +29,7 @@ import logging
 import os
 import re
 import tempfile
-from typing import Any, Iterable
+from typing import Any, Iterable, Mapping
 
 from .core.capture import WindowTicket
 
@@ -77,7 +77,13 @@ class CopyScheduleHints:
         if found is None or not copies:  # not XLA:GPU's program, or nothing to hint
             return False
         fingerprint = found.group(1)
-        with open(os.path.join(self.directory, fingerprint + ".pbtxt"), "w") as f:
-            f.writelines(f'costs {{ name: "{c.name}" cost_us: {HINT_COST_US} }}\n' for c in copies)
+        write_profile(os.path.join(self.directory, fingerprint + ".pbtxt"), {c.name: HINT_COST_US for c in copies})
         log.info("copy schedule hint for %d host copies of program %s", len(copies), fingerprint)
         return True
+
+
+def write_profile(path: str, costs_us: Mapping[str, float]) -> None:
+    """A PGLE profile (a text ``ProfiledInstructionsProto``) giving each named instruction
+    its cost in microseconds; XLA falls back to its own estimate for the others."""
+    with open(path, "w") as f:
+        f.writelines(f'costs {{ name: "{name}" cost_us: {us:.1f} }}\n' for name, us in costs_us.items())
