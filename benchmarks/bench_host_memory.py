@@ -25,6 +25,10 @@ process per window size (after ``malloc_trim``, so freed heap pages do not count
   checkpoint holds while a step runs: the copy (minus what is kept, already in both) and
   its scratch.
 
+Each part also lists the memory mappings of 1 MiB or more that it added, with their resident
+size (``new_mappings``): on a GPU the outboxes are pinned host memory from XLA's caching pool,
+whose regions show there as mappings that stay once grown.
+
 The state-proportional part is ``kept + window peak``: what ``max_host_bytes`` bounds. The
 sum of all four approximates the peak above a plain loop with every program compiled; it is
 not the same measurement as ``benchmarks.run``'s peak (VmHWM, whose no-checkpoint run also
@@ -46,6 +50,34 @@ import time
 from benchmarks.reporting import publish
 
 MIB = 2**20
+
+
+def resident_mappings(min_bytes: int = MIB) -> dict[str, tuple[int, int, str]]:
+    """This process's mappings of at least ``min_bytes``: address range -> (size, resident
+    bytes, what is mapped), from ``/proc/self/smaps`` (empty where there is none)."""
+    found: dict[str, tuple[int, int, str]] = {}
+    try:
+        with open("/proc/self/smaps") as f:
+            key = None
+            for line in f:
+                head = line.split()
+                if "-" in head[0] and not head[0].endswith(":"):
+                    lo, hi = (int(a, 16) for a in head[0].split("-"))
+                    key = head[0] if hi - lo >= min_bytes else None
+                    if key:
+                        found[key] = (hi - lo, 0, head[5] if len(head) > 5 else "[anonymous]")
+                elif key and head[0] == "Rss:":
+                    size, _, what = found[key]
+                    found[key] = (size, int(head[1]) * 1024, what)
+    except OSError:
+        pass
+    return found
+
+
+def new_mappings(before: dict, after: dict) -> list[list]:
+    """Mappings in ``after`` that are not in ``before`` (or grew): [MiB, resident MiB, what]."""
+    return sorted(([round(size / MIB, 1), round(rss / MIB, 1), what] for key, (size, rss, what) in after.items()
+                   if rss > before.get(key, (0, 0, ""))[1] + MIB), reverse=True)
 
 
 def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
@@ -80,6 +112,7 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     mngr = oc.CheckpointManager(root, save_interval_steps=interval, window=k)
     state = mngr.prepare(state)
     before_variants = settled_rss()
+    maps_before = resident_mappings()
     compiling = mngr.compile_ahead(lm.train_step, state, lm.batches[0])
     state = step(state)  # compile_ahead starts after the first step
     compiling.join()
@@ -91,6 +124,7 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     mngr.engine.flush()
     kept = mngr.engine.kept_host_bytes
     first_checkpoint = settled_rss() - before_variants - variants
+    maps_first = resident_mappings()
 
     samples: list[tuple[float, int]] = []
     stop = threading.Event()
@@ -123,12 +157,15 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     plain_peak = peak(marks[0][2], window_start)
     window_peak = peak(window_start, window_end)
     k_used = int(mngr.engine.schedule.k)
+    maps_second = resident_mappings()
     mngr.close()
     return {"k": k_used, "state_bytes": state_bytes,
             "step_variants_bytes": variants, "first_checkpoint_fixed_bytes": first_checkpoint - kept,
             "kept_bytes": kept, "plain_peak_bytes": plain_peak, "window_peak_bytes": window_peak,
             "window_extra_bytes": window_peak - plain_peak,
-            "steps": [list(m) for m in marks], "persist_s": persist.persist_seconds}
+            "steps": [list(m) for m in marks], "persist_s": persist.persist_seconds,
+            "new_mappings": {"variants_and_first_checkpoint": new_mappings(maps_before, maps_first),
+                             "second_checkpoint": new_mappings(maps_first, maps_second)}}
 
 
 def markdown(report: dict) -> str:
@@ -149,7 +186,13 @@ def markdown(report: dict) -> str:
         lines.append(f"| {r['k']} | {cell(r['step_variants_bytes'])} | {cell(r['first_checkpoint_fixed_bytes'])} | "
                      f"{cell(r['kept_bytes'])} | {cell(r['window_extra_bytes'])} | {cell(proportional)} | "
                      f"{cell(total)} |")
-    lines += ["", "Columns: see the module docstring of `benchmarks/bench_host_memory.py`.", ""]
+    lines += ["", "Columns: see the module docstring of `benchmarks/bench_host_memory.py`.", "",
+              "Mappings of 1 MiB or more added (MiB mapped / resident, what; the largest 8):", ""]
+    for r in report["runs"]:
+        for part, maps in r.get("new_mappings", {}).items():
+            shown = ", ".join(f"{size:.0f}/{rss:.0f} {what}" for size, rss, what in maps[:8])
+            lines.append(f"- K={r['k']}, {part.replace('_', ' ')}: {len(maps)} mappings; {shown or 'none'}")
+    lines.append("")
     return "\n".join(lines)
 
 

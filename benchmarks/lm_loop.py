@@ -6,7 +6,6 @@ bench_interval train."""
 from __future__ import annotations
 
 import dataclasses
-import functools
 from typing import Any, Callable
 
 
@@ -17,6 +16,14 @@ class LMLoop:
     device: Any
     batches: list
     train_step: Callable
+    loss_and_update: Callable  # train_step before jax.jit: to jit it with other options
+
+    def jit_step(self, compiler_options: dict | None = None) -> Callable:
+        """The step jitted as ``train_step`` is, with ``compiler_options`` (for example
+        ``CheckpointManager.jit_compiler_options()``)."""
+        import jax
+
+        return jax.jit(self.loss_and_update, donate_argnums=0, compiler_options=compiler_options)
 
 
 def lm_loop(model_name: str, batch_size: int, distinct_batches: int = 8) -> LMLoop:
@@ -29,9 +36,9 @@ def lm_loop(model_name: str, batch_size: int, distinct_batches: int = 8) -> LMLo
     device = jax.devices()[0]
     batches = [jax.device_put({"tokens": data.batch(i)["tokens"]}, device) for i in range(distinct_batches)]
 
-    @functools.partial(jax.jit, donate_argnums=0)
-    def train_step(state, batch):
+    def loss_and_update(state, batch):
         loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    return LMLoop(config, TransformerLM(config), device, batches, train_step)
+    train_step = jax.jit(loss_and_update, donate_argnums=0)
+    return LMLoop(config, TransformerLM(config), device, batches, train_step, loss_and_update)
