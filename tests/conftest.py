@@ -28,20 +28,31 @@ COMPILE_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COM
 
 
 @pytest.fixture(scope="session", autouse=True)
-def subprocess_compile_cache(tmp_path_factory):
-    """One compilation cache for every subprocess of the run (both xdist workers').
+def shared_compile_cache(tmp_path_factory):
+    """One JAX compilation cache for the whole run: both xdist workers and every subprocess.
 
-    Why: the fault, tier, multi-process, example and benchmark tests start worker processes
-    that compile the same few models again and again (the fault tests alone: 75 s of CPU
-    without the cache, 42 s with it). Set in ``os.environ`` after this process imported jax,
-    so only subprocesses see it: the tests of this process compile as a user's job does.
-    Subprocesses that test compiling itself are started without it (:func:`run_python`). A
-    worker killed while it writes an entry leaves a truncated file, which JAX reports with a
-    warning and compiles again."""
+    Why: CI's time is mostly XLA:CPU compiling the same programs again and again (the same
+    LM step for each window size, each loop style's reference, killed and resumed runs).
+    A program read back from the cache is the one a compile would give, so results,
+    bitwise checks included, are the same; compile events still fire (on a hit, too), so
+    the tests that check which thread compiled still see every compile. The cache starts
+    empty in each run. Subprocesses that test compiling itself are started without it
+    (:func:`run_python`), and the compile-only accelerator tests, which read the
+    compiler's dumps, turn it off (``tests/aot/conftest.py``). A worker killed while it
+    writes an entry leaves a truncated file, which JAX reports with a warning and compiles
+    again."""
+    from jax.experimental.compilation_cache import compilation_cache
+
     base = tmp_path_factory.getbasetemp()
-    shared = base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
-    os.environ.update(zip(COMPILE_CACHE_VARS, (str(shared / "jax-compile-cache"), "0", "-1")))
+    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-compile-cache"
+    os.environ.update(zip(COMPILE_CACHE_VARS, (str(shared), "0", "-1")))
+    jax.config.update("jax_compilation_cache_dir", str(shared))
+    jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+    jax.config.update("jax_persistent_cache_min_entry_size_bytes", -1)
+    compilation_cache.reset_cache()  # a compile at collection time has already decided "off"
     yield
+    jax.config.update("jax_compilation_cache_dir", None)
+    compilation_cache.reset_cache()
     for name in COMPILE_CACHE_VARS:
         os.environ.pop(name, None)
 

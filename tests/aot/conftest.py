@@ -4,9 +4,24 @@ CI installs them (``pip install -e ".[test,aot]"``) and runs with ``JAX_PLATFORM
 under which jax registers the CUDA plugin without a GPU (see docs/aot.md).
 """
 
+import jax
 import pytest
+from jax.experimental.compilation_cache import compilation_cache
 
 from overlap_ckpt.aot import TargetError, get_target
+
+
+@pytest.fixture(scope="package", autouse=True)
+def compile_without_the_cache():
+    """The compile-only reports read the compiler's dumps, which a compile answered by the
+    run's shared cache (``tests/conftest.py``) does not write; and a compile-only target's
+    program cannot be read back from the cache (no client to load it). Package-wide: the
+    module fixtures compile too."""
+    jax.config.update("jax_enable_compilation_cache", False)
+    compilation_cache.reset_cache()
+    yield
+    jax.config.update("jax_enable_compilation_cache", True)
+    compilation_cache.reset_cache()
 
 TPU_TARGET = "v5e:2x2"
 

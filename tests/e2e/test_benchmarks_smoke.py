@@ -13,7 +13,7 @@ import pytest
 
 from conftest import REPO
 
-from benchmarks.run import CONFIGS
+from benchmarks.run import DEFAULT_CONFIGS
 
 
 @pytest.mark.slow
@@ -30,7 +30,7 @@ def test_benchmark_run_tiny(tmp_path):
     report = json.loads((tmp_path / "tiny.json").read_text())
     assert report["baseline"]["config"] == "none" and report["baseline"]["median_step_s"] > 0
     got = {(x["config"], x["interval"]) for x in report["results"]}
-    assert got == {(c, 8) for c in CONFIGS}
+    assert got == {(c, 8) for c in DEFAULT_CONFIGS}
     for x in report["results"]:
         if x["config"] == "overlap_idle":  # the per-step tax alone: no window is ever reached
             assert x["checkpoints_measured"] == 0 and x["median_plain_step_s"] > 0
