@@ -23,6 +23,7 @@ def compile_without_the_cache():
     jax.config.update("jax_enable_compilation_cache", True)
     compilation_cache.reset_cache()
 
+
 TPU_TARGET = "v5e:2x2"
 
 
