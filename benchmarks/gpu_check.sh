@@ -14,7 +14,8 @@
 #      Orbax's save (the last two are cut off first: the whole step took over 260 s there).
 # `benchmarks.run` against stock Orbax is a call of its own (the 100M LM took 120 s to reach
 # its third configuration), and so is its K=1 run beside K=1 with the copy schedule hint
-# (`--configs overlap_k1 overlap_k1_hint`, 276 s on the 100M LM): see benchmarks/README.md.
+# (`--configs overlap_k1 overlap_k1_hint`, 276 s on the 100M LM; add `--profile DIR` to trace
+# the steps after a window, where most of a checkpoint's cost was): see benchmarks/README.md.
 # JAX_PLATFORMS names the CPU too: windows of K > 1 are replayed with JAX's CPU backend.
 # Usage: bash benchmarks/gpu_check.sh OUT_DIR   (from the repository root). It writes more
 # files than a loan returns (8): give it a scratch directory, then archive it into $OUT,

@@ -253,7 +253,16 @@ def worker(spec: dict) -> dict:
     sync_every = spec.get("sync_every", 1)
     rows = []  # (t, phase/save flag, start, end, rss) of measured steps
     rss_before = _rss_now()
+    profiling = None  # --profile: the step range being traced
     for t in range(s0, s0 + warmup + steps):
+        if spec.get("profile") and mngr is not None and profiling is None and t >= s0 + warmup \
+                and mngr.next_window_phase == 0:
+            profiling = range(t, t + mngr.engine.schedule.k + 3)  # the window and 3 steps after
+            options = jax.profiler.ProfileOptions()
+            options.python_tracer_level = 1  # the host worker's Python beside the training thread's
+            jax.profiler.start_trace(os.path.join(spec["profile"], f"{cfg_name}_N{n}"), profiler_options=options)
+        if profiling is not None and t == profiling.stop:
+            jax.profiler.stop_trace()
         if t == s0 + warmup:
             finish_wait()  # the warm-up checkpoint is not measured
             if mngr is not None:
@@ -282,6 +291,8 @@ def worker(spec: dict) -> dict:
         end = time.perf_counter()
         if t >= s0 + warmup:
             rows.append({"t": t, "phase": phase, "save": save, "start": start, "end": end, "rss": _rss_now()})
+    if profiling is not None and t < profiling.stop:
+        jax.profiler.stop_trace()
     wait_start = time.perf_counter()
     finish_wait()
     final_wait_s = time.perf_counter() - wait_start
@@ -769,6 +780,9 @@ def main(argv: list[str] | None = None) -> dict | None:
                     help="1: block_until_ready after every step; k > 1: fetch the loss every k steps only")
     ap.add_argument("--on-host-budget", default="wait", choices=("wait", "skip"),
                     help="CheckpointManager(on_host_budget=) of the overlap runs")
+    ap.add_argument("--profile", default=None, metavar="DIR",
+                    help="overlap runs: a jax.profiler trace (Python threads included) of the first measured "
+                         "window and the 3 steps after it, into DIR/<config>_N<interval>")
     ap.add_argument("--soak", type=int, default=None, metavar="CHECKPOINTS",
                     help="instead of the report: overlap auto-K and Orbax async for this many checkpoints "
                          "at the first interval, RSS after every step, plotted to <out>_rss.png")
@@ -806,7 +820,8 @@ def main(argv: list[str] | None = None) -> dict | None:
                   "ckpt_root": ckpt_root, "restore_repeats": args.restore_repeats,
                   "persist_bytes_per_s": raw["median_gibps"] * GIB, "optimizer": args.optimizer,
                   "compile_ahead": not args.no_compile_ahead, "copy_threads": args.copy_threads,
-                  "sync_every": args.sync_every, "on_host_budget": args.on_host_budget}
+                  "sync_every": args.sync_every, "on_host_budget": args.on_host_budget,
+                  "profile": args.profile and os.path.abspath(args.profile)}
         base_steps = args.steps
         plan = [("none", 0)] + [(cfg, n) for n in args.intervals for cfg in args.configs]
         best: dict[tuple[str, int], dict] = {}

@@ -24,7 +24,7 @@ def test_benchmark_run_tiny(tmp_path):
     env["JAX_PLATFORMS"] = "cpu"
     r = subprocess.run([sys.executable, "-m", "benchmarks.run", "--model", "tiny", "--steps", "24",
                         "--intervals", "8", "--restore-repeats", "1", "--raw-repeats", "1",
-                        "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt")],
+                        "--out", str(out), "--ckpt-dir", str(tmp_path / "ckpt"), "--profile", str(tmp_path / "prof")],
                        cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     report = json.loads((tmp_path / "tiny.json").read_text())
@@ -42,6 +42,10 @@ def test_benchmark_run_tiny(tmp_path):
         assert x["prediction"] is not None and 0 < x["prediction"]["ettr"] <= 1
         assert x.get("restore_s") is not None, x["config"]
     assert report["baseline"]["compile_s"] > 0 and all(x["compile_s"] > 0 for x in report["results"])
+    # --profile: a trace of the first measured window of every overlap run that reaches one
+    traces = (tmp_path / "prof").glob("*/plugins/profile/*/*.trace.json.gz")
+    traced = {trace.relative_to(tmp_path / "prof").parts[0] for trace in traces}
+    assert traced == {f"{c}_N8" for c in DEFAULT_CONFIGS if c.startswith("overlap") and c != "overlap_idle"}, traced
     k = {x["config"]: x.get("k") for x in report["results"]}
     assert k["overlap_k1"] == 1 and k["overlap_k3"] == 3 and k["overlap_auto"] == 1  # auto: 1 on CPU
     assert len(report["targets"]) == 6 + len(report["intervals"])  # one ETTR target per interval
