@@ -21,9 +21,13 @@ class LMLoop:
     def jit_step(self, compiler_options: dict | None = None) -> Callable:
         """The step jitted as ``train_step`` is, with ``compiler_options`` (for example
         ``CheckpointManager.jit_compiler_options()``)."""
-        import jax
+        return _jit_step(self.loss_and_update, compiler_options)
 
-        return jax.jit(self.loss_and_update, donate_argnums=0, compiler_options=compiler_options)
+
+def _jit_step(loss_and_update: Callable, compiler_options: dict | None = None) -> Callable:
+    import jax
+
+    return jax.jit(loss_and_update, donate_argnums=0, compiler_options=compiler_options)
 
 
 def lm_loop(model_name: str, batch_size: int, distinct_batches: int = 8) -> LMLoop:
@@ -40,5 +44,4 @@ def lm_loop(model_name: str, batch_size: int, distinct_batches: int = 8) -> LMLo
         loss, grads = jax.value_and_grad(lambda p: linen_loss_fn(state.apply_fn, p, batch))(state.params)
         return state.apply_gradients(grads=grads), loss
 
-    train_step = jax.jit(loss_and_update, donate_argnums=0)
-    return LMLoop(config, TransformerLM(config), device, batches, train_step, loss_and_update)
+    return LMLoop(config, TransformerLM(config), device, batches, _jit_step(loss_and_update), loss_and_update)

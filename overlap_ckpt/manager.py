@@ -219,8 +219,9 @@ class CheckpointManager:
         :mod:`overlap_ckpt.copy_schedule`. Elsewhere than on a GPU: ``{}``.
         ``directory``: where the hints go (default: a new temporary directory)."""
         self._check_open()
-        if backend.emulated != "gpu" and jax.default_backend() != "gpu":
-            log.info("jit_compiler_options: the default backend is %s, not a GPU; no hint", jax.default_backend())
+        platform = backend.platform_of(jax.devices()[0])
+        if platform != "gpu":
+            log.info("jit_compiler_options: the default backend is %s, not a GPU; no hint", platform)
             return {}
         if self._ahead.hints is None or (directory is not None and directory != self._ahead.hints.directory):
             self._ahead.hints = CopyScheduleHints(directory)
