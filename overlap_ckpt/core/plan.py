@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
-from ..hostarray import covers, index_key, local_blocks, normalize_index
+from ..hostarray import covers, index_key, is_prng_key, local_blocks, normalize_index
 from . import backend
 from .packing import TPU_PACK_MAX_BYTES, packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
@@ -238,6 +238,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     (each tiled leaf relaid out into the 1-D packed array). On the CPU the copy is a
     memcpy that packing would double: it does not pack unless told to.
     """
+    _refuse_prng_keys(opt_state, extras)
     update = optax_update_fn(tx)
     placements = tuple(leaf_sharding(x) for x in jax.tree.leaves((params, opt_state, extras)))
     params_def, params_l = _layouts(params)
@@ -286,6 +287,31 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
                        pack_max_bytes if pack_outbox else None, placements)
+
+
+def _refuse_prng_keys(opt_state: Any, extras: Any) -> None:
+    """Typed PRNG keys (``jax.random.key``) are refused by name, before anything reads
+    their dtype, which numpy cannot hold.
+
+    Why refused in the optimizer state: the window step would have to ship the key's
+    data and the host replay wrap it again, and the per-leaf keys an optimizer splits off
+    it (``optax.noisy_sgd``'s noise) are not global scalars the replay can inject; none of
+    that exists yet. In ``extras`` a key is only saved, and the doors already save its key
+    data (``jax.random.key_data``); a caller of the engine passes the data itself.
+    """
+    for path, leaf in jax.tree_util.tree_flatten_with_path(opt_state)[0]:
+        if is_prng_key(leaf):
+            raise UnsupportedOptimizerError(
+                f"the optimizer state holds a typed PRNG key at opt_state{jax.tree_util.keystr(path)} "
+                "(optax.noisy_sgd and optax.add_noise keep one): overlap_ckpt cannot capture or "
+                "replay random optimizer state yet. Use an optimizer without a key in its state "
+                "(docs/optimizers.md), or checkpoint this training with orbax.checkpoint directly.")
+    for path, leaf in jax.tree_util.tree_flatten_with_path(extras)[0]:
+        if is_prng_key(leaf):
+            raise TypeError(
+                f"extras{jax.tree_util.keystr(path)} is a typed PRNG key, whose dtype a checkpoint "
+                "cannot hold: pass jax.random.key_data(key) and wrap it again with "
+                "jax.random.wrap_key_data after restore (the Linen and NNX doors do this for you).")
 
 
 PART_BYTES = 1 << 20  # per block: see part_rows

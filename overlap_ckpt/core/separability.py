@@ -35,7 +35,8 @@ KNOWN_EXACT_OPTIMIZERS = (
     "sgd", "adam", "adamw", "lion", "rmsprop", "adagrad", "adabelief", "lamb", "lars", "adafactor",
     "clip_by_global_norm", "clip", "apply_if_finite", "MultiSteps", "inject_hyperparams",
     "adaptive_grad_clip", "ema", "contrib.prodigy", "contrib.cocob", "contrib.dowg", "nadamw", "radam", "yogi",
-    "adan", "amsgrad", "adamax", "multi_transform", "novograd",
+    "adan", "amsgrad", "adamax", "multi_transform", "novograd", "contrib.schedule_free_adamw", "contrib.ademamix",
+    "contrib.adopt", "contrib.dadapt_adamw", "contrib.mechanize", "contrib.madgrad", "optimistic_adam_v2", "rprop",
 )
 
 

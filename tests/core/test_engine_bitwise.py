@@ -147,6 +147,16 @@ MORE = {
         optax.chain(optax.clip_by_global_norm(0.5), optax.lion(1e-3)), every_k_schedule=2),
     "apply_if_finite_multisteps_clip_adamw": lambda: optax.apply_if_finite(optax.MultiSteps(
         optax.chain(optax.clip_by_global_norm(0.5), optax.adamw(1e-2)), every_k_schedule=2), max_consecutive_errors=3),
+    # Newer optimizers users reach for: schedule-free averaging, a third moment, per-step
+    # learning rates learnt from global sums (dadapt, mechanize), sign-based step sizes.
+    "schedule_free_adamw": lambda: optax.contrib.schedule_free_adamw(1e-2, warmup_steps=3),
+    "ademamix": lambda: optax.contrib.ademamix(1e-2),
+    "adopt": lambda: optax.contrib.adopt(1e-2),
+    "dadapt_adamw": lambda: optax.contrib.dadapt_adamw(1.0),
+    "mechanize_adam": lambda: optax.contrib.mechanize(optax.adam(1e-2)),
+    "madgrad": lambda: optax.contrib.madgrad(1e-2),
+    "optimistic_adam_v2": lambda: optax.optimistic_adam_v2(1e-2),
+    "rprop": lambda: optax.rprop(1e-2),
 }
 
 
@@ -182,6 +192,9 @@ DOC_ROWS = {
     "MultiSteps(chain(clip_by_global_norm, trace), 2)": "multisteps_clip_trace",
     "MultiSteps(chain(clip_by_global_norm, lion), 2)": "multisteps_clip_lion",
     "apply_if_finite(MultiSteps(chain(clip_by_global_norm, adamw), 2))": "apply_if_finite_multisteps_clip_adamw",
+    "contrib.schedule_free_adamw": "schedule_free_adamw", "contrib.ademamix": "ademamix", "contrib.adopt": "adopt",
+    "contrib.dadapt_adamw": "dadapt_adamw", "contrib.mechanize(adam)": "mechanize_adam", "contrib.madgrad": "madgrad",
+    "optimistic_adam_v2": "optimistic_adam_v2", "rprop": "rprop",
 }
 
 

@@ -3,8 +3,10 @@
 import jax
 import jax.numpy as jnp
 import optax
+import pytest
 
 from overlap_ckpt.core.plan import leaf_layout, make_plan
+from overlap_ckpt.errors import UnsupportedOptimizerError
 from overlap_ckpt.core.slicing import Piece
 
 from conftest import make_params
@@ -19,6 +21,20 @@ def test_equal_states_and_the_same_optimizer_give_equal_plans():
     assert a != make_plan(optax.adam(1e-2), params, tx.init(params), {"step": jnp.int32(0)}, 2)  # another tx
     assert a != make_plan(tx, params, tx.init(params), {"step": jnp.int32(0)}, 1)
     assert len(repr(a)) < 200
+
+
+def test_typed_prng_keys_are_refused_by_where_they_are():
+    """A key in the optimizer state (optax.noisy_sgd) cannot be replayed: refused, naming the
+    leaf; a key in extras is refused with the conversion the doors do (numpy has no dtype
+    for it, and the first thing planning reads is the dtype)."""
+    params = make_params([(8, 3)])
+    noisy = optax.noisy_sgd(1e-2, key=jax.random.key(0))
+    with pytest.raises(UnsupportedOptimizerError, match=r"opt_state\[0\]\.rng_key"):
+        make_plan(noisy, params, noisy.init(params), None, 2)
+    adam = optax.adam(1e-2)
+    with pytest.raises(TypeError, match=r"extras\['dropout'\].*key_data"):
+        make_plan(adam, params, adam.init(params), {"dropout": jax.random.key(1)}, 2)
+    make_plan(adam, params, adam.init(params), {"dropout": jax.random.key_data(jax.random.key(1))}, 2)
 
 
 def test_matches_names_the_changed_leaf():

@@ -171,12 +171,16 @@ def test_a_discarded_window_is_a_failure_that_reaches_the_user(tmp_path):
 def test_refusals_at_prepare_are_short_and_say_what_to_do(tmp_path):
     model = nnx.Linear(4, 3, rngs=nnx.Rngs(0))
     lookahead = optax.lookahead(optax.adam(1e-2), sync_period=2, slow_step_size=0.5)
+    noisy = optax.noisy_sgd(1e-2, key=jax.random.key(0))  # a typed key in the optimizer state
     cases = [
         (lambda m: m.prepare(make_state(cls=train_state.TrainState)), TypeError, "overlap_ckpt.TrainState"),
         (lambda m: m.prepare(nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param), model), TypeError,
          "overlap_ckpt.nnx.Optimizer"),
         (lambda m: m.prepare(oc.nnx.Optimizer(model, optax.adam(1e-2), wrt=nnx.Param)), TypeError, "model"),
         (lambda m: m.prepare(make_state(lookahead)), UnsupportedOptimizerError, "lookahead"),
+        (lambda m: m.prepare(make_state(noisy)), UnsupportedOptimizerError, "opt_state[0].rng_key"),
+        (lambda m: m.prepare(oc.nnx.Optimizer(model, noisy, wrt=nnx.Param), model), UnsupportedOptimizerError,
+         "typed PRNG key"),
         (lambda m: m.prepare({"params": 1}), TypeError, "overlap_ckpt.TrainState"),
     ]
     with oc.CheckpointManager(tmp_path, save_interval_steps=4, window=2) as mngr:
