@@ -396,6 +396,7 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
             if (r["t"] + 1) % n == 0:
                 groups[r["t"] + 1] = [dt - base_median]
     stalls = [sum(g) for g in groups.values()]
+    res["extra_after_ckpt_s"] = _extra_after(run["steps"], dts, base_median)
     # Committed in the measured span (overlap: persisted windows; Orbax: saves issued).
     # raw_beside: writes done (a write still running at the next checkpoint step is not started).
     res["committed"] = (len(run["persist"]) if cfg.startswith("overlap") or cfg == "raw_beside"
@@ -417,6 +418,28 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
     if run.get("restore_s"):
         res["restore_s"] = _median(run["restore_s"])
     return res
+
+
+AFTER_STEPS = 3  # steps after a checkpoint's last step whose extra time the report lists
+
+
+def _extra_after(steps: list[dict], dts: list[float], base_median: float) -> list[float | None]:
+    """Median extra time over the no-checkpoint median of the 1st, 2nd, ... step after each
+    checkpoint's last step (a window's last phase, the step that called save, a raw write).
+
+    Why: on an H200 and on this CPU most of a checkpoint's cost was in the step after the
+    window, not in the window (the host worker's hand-off and the persist starting beside the
+    next step); the span stall shows the total, this shows where it lands.
+    """
+    def is_ckpt(r):
+        return r["phase"] is not None or r["save"]
+    ends = [i for i, r in enumerate(steps) if is_ckpt(r) and (i + 1 == len(steps) or not is_ckpt(steps[i + 1]))]
+    out = []
+    for off in range(1, AFTER_STEPS + 1):
+        extra = [dts[i + off] - base_median for i in ends
+                 if i + off < len(steps) and not any(is_ckpt(steps[j]) for j in range(i + 1, i + off + 1))]
+        out.append(_median(extra))
+    return out
 
 
 def predict(run: dict, res: dict, base: dict, persist_bps: float, f: float,
@@ -542,7 +565,8 @@ def markdown(report: dict) -> str:
              f"- cost model: overlappable fraction {report['overlappable_fraction']}, persist bandwidth = "
              "raw write, replay bandwidth = measured K=3 replay", ""]
     hdr = ["config", "N", "K", "median step ms (x none)", "non-window step ms (x none)",
-           "compile s (x none)", "ckpts committed", "stall/ckpt ms: window steps", "over the span", "predicted",
+           "compile s (x none)", "ckpts committed", "stall/ckpt ms: window steps",
+           f"steps after it: +1..+{AFTER_STEPS}", "over the span", "predicted",
            "x Orbax async", "ETTR: measured", "predicted", "x Orbax async", "final wait ms",
            "persist GiB/s (x raw alone)", "restore ms (Orbax/ours)", "peak RSS MiB (extra / state)", "replay GB/s"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] + ["--:"] * (len(hdr) - 1)) + "|"]
@@ -579,7 +603,8 @@ def markdown(report: dict) -> str:
                  "-" if plain is None else f"{_ms(plain)} ({plain / base['median_step_s']:.3f}x)",
                  "-" if compile_s is None else (f"{compile_s:.1f} ({compile_s / base['compile_s']:.2f}x)"
                                                 if base.get("compile_s") else f"{compile_s:.1f}"),
-                 committed, _ms(stall), _ms(r.get("stall_span_per_ckpt_s")), _ms(pred.get("stall_s")), vs_stall,
+                 committed, _ms(stall), " / ".join(_ms(x) for x in r.get("extra_after_ckpt_s") or [None]),
+                 _ms(r.get("stall_span_per_ckpt_s")), _ms(pred.get("stall_s")), vs_stall,
                  f"{r['ettr']:.3f}", _fmt(pred.get("ettr")), vs_ettr,
                  _ms(r.get("final_wait_s")) if r["config"] != "none" else "-", persist, restore, rss,
                  _fmt(r.get("replay_gbps"), ".2f", "-")]
@@ -594,7 +619,9 @@ def markdown(report: dict) -> str:
               "stall/ckpt on window steps = extra time over the no-checkpoint median step, summed over the "
               "steps attributed to a checkpoint (Orbax: the step that calls save; overlap: the K window "
               "steps), mean over the measured checkpoints; the final `wait_until_finished` is reported "
-              "separately. ETTR = mean no-checkpoint step time / mean step time. Peak RSS extra = peak RSS "
+              "separately. Steps after it: the median extra time over the no-checkpoint median of the 1st, "
+              "2nd, ... step after a checkpoint's last step (none of them in the next window). "
+              "ETTR = mean no-checkpoint step time / mean step time. Peak RSS extra = peak RSS "
               "minus the no-checkpoint run's peak RSS, relative to the state bytes. Raw write beside training: "
               "no checkpoint, the state's bytes written to one file and fsync'd by a background thread at every "
               "N-th step (one write at a time); its persist column is the disk speed beside training, the "

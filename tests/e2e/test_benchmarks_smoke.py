@@ -39,6 +39,8 @@ def test_benchmark_run_tiny(tmp_path):
             assert x["committed"] >= 1 and x["persist_gibps"] > 0 and x["prediction"] is None
             continue
         assert x["checkpoints_measured"] >= 1, x["config"]
+        # N=8, 24 steps: every checkpoint is followed by plain steps, so each offset has a figure
+        assert len(x["extra_after_ckpt_s"]) == 3 and None not in x["extra_after_ckpt_s"], x["config"]
         assert x["prediction"] is not None and 0 < x["prediction"]["ettr"] <= 1
         assert x.get("restore_s") is not None, x["config"]
     assert report["baseline"]["compile_s"] > 0 and all(x["compile_s"] > 0 for x in report["results"])
@@ -53,7 +55,7 @@ def test_benchmark_run_tiny(tmp_path):
     for label in ("no checkpointing", "Orbax sync", "Orbax async", "overlap, no window reached", "overlap K=1",
                   "overlap auto-K", "overlap K=3", "non-window step", "compile", "persist beside training",
                   "restore >= 2x Orbax", "ETTR >= Orbax async's at N=8", "raw write beside training",
-                  "of a raw fsync'd write beside the same training"):
+                  "of a raw fsync'd write beside the same training", "steps after it: +1..+3"):
         assert label in md, label
     try:
         import matplotlib  # noqa: F401
