@@ -369,11 +369,17 @@ def _median(xs):
     return statistics.median(xs) if xs else None
 
 
+def _checkpoint_step(row: dict) -> bool:
+    """A measured step that takes part in a checkpoint: a window phase, or the step that
+    called save (Orbax) or started a raw write."""
+    return row["phase"] is not None or row["save"]
+
+
 def analyse(run: dict, base_median: float, base_mean: float) -> dict:
     """Step-time statistics, stalls per checkpoint and ETTR of one configuration run."""
     dts = [r["end"] - r["start"] for r in run["steps"]]
     res = {"median_step_s": _median(dts), "mean_step_s": statistics.mean(dts), "measured_steps": len(dts)}
-    plain = [dt for r, dt in zip(run["steps"], dts) if r["phase"] is None and not r["save"]]
+    plain = [dt for r, dt in zip(run["steps"], dts) if not _checkpoint_step(r)]
     res["median_plain_step_s"] = _median(plain)
     # RSS after each measured step, beside the process's peak (ru_maxrss): a peak well above
     # every step's RSS was reached outside the loop's steady state (a compile, the warm-up).
@@ -431,13 +437,12 @@ def _extra_after(steps: list[dict], dts: list[float], base_median: float) -> lis
     window, not in the window (the host worker's hand-off and the persist starting beside the
     next step); the span stall shows the total, this shows where it lands.
     """
-    def is_ckpt(r):
-        return r["phase"] is not None or r["save"]
-    ends = [i for i, r in enumerate(steps) if is_ckpt(r) and (i + 1 == len(steps) or not is_ckpt(steps[i + 1]))]
+    ends = [i for i, r in enumerate(steps)
+            if _checkpoint_step(r) and (i + 1 == len(steps) or not _checkpoint_step(steps[i + 1]))]
     out = []
     for off in range(1, AFTER_STEPS + 1):
         extra = [dts[i + off] - base_median for i in ends
-                 if i + off < len(steps) and not any(is_ckpt(steps[j]) for j in range(i + 1, i + off + 1))]
+                 if i + off < len(steps) and not any(_checkpoint_step(steps[j]) for j in range(i + 1, i + off + 1))]
         out.append(_median(extra))
     return out
 

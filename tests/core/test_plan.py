@@ -6,8 +6,8 @@ import optax
 import pytest
 
 from overlap_ckpt.core.plan import leaf_layout, make_plan
-from overlap_ckpt.errors import UnsupportedOptimizerError
 from overlap_ckpt.core.slicing import Piece
+from overlap_ckpt.errors import UnsupportedOptimizerError
 
 from conftest import make_params
 
