@@ -34,7 +34,7 @@ from .core.capture import Outbox, WindowTicket
 from .core import backend
 from .core.engine import OverlapEngine
 from .core.fallback import capture_before_step
-from .core.window_context import hand_to_next_step, shared_step_keys, window_ticket
+from .core.window_context import hand_to_next_step, set_planned, shared_step_keys, window_ticket
 from .doors.abstract import abstract_arguments, after_the_step, graph_nodes
 from .doors.base import Door, Parts, standard_tree
 from .doors.registry import door_for
@@ -165,6 +165,7 @@ class CheckpointManager:
             engine.windows.exclude(int(saved))
         engine.plan_for(parts.params, parts.opt_state, parts.extras)
         self._budget.bind(Footprint(*engine.footprint()))  # refuses a budget below one checkpoint
+        set_planned(self, parts.tx)
         self._next_step = step
         if self._auto is not None:
             self._auto.restart()
@@ -425,6 +426,7 @@ class CheckpointManager:
             self._closed = True
             _COMPILING_AHEAD.discard(self)
             hand_to_next_step(self, None)  # steps after the manager is gone are plain steps
+            set_planned(self, None)
             self._ahead.close()  # a process must not exit in the middle of a compile
             if self.engine is not None:
                 self.engine.close()

@@ -21,7 +21,9 @@ per window phase, then hits the cache in every later window. Outside windows the
 ``()``, the key of the user's own program.
 
 What reads the tickets: ``TrainState.apply_gradients`` and ``nnx.Optimizer.update`` of
-:mod:`overlap_ckpt.doors`, at trace time.
+:mod:`overlap_ckpt.doors`, at trace time. The same module records which optax
+transformations open managers plan (:func:`set_planned`), for checks a door makes outside
+windows.
 """
 
 from __future__ import annotations
@@ -41,6 +43,7 @@ from .schedule import WindowSchedule
 
 _TICKETS = jax.make_user_context(default_value=())
 _HANDED = threading.local()  # .by_owner: WeakKeyDictionary {manager: its ticket}, this thread's
+_PLANNED: "weakref.WeakKeyDictionary[Any, Any]" = weakref.WeakKeyDictionary()  # {manager: its tx}
 
 
 def window_tickets() -> tuple[WindowTicket, ...]:
@@ -60,6 +63,26 @@ def ticket_for(tx: Any) -> WindowTicket | None:
         if ticket.plan.tx is tx:
             return dataclasses.replace(ticket, lead_axes=lead_axes([t.plan for t in tickets]))
     return None
+
+
+def set_planned(owner: Any, tx: Any) -> None:
+    """Record that ``owner`` (an open manager) checkpoints the updates of the optax
+    transformation ``tx``; ``None`` when it no longer does (closed).
+
+    Why, outside windows: an update that gets arguments the host replay cannot see is
+    checked at the first step that passes them, before any window, but only for an
+    optimizer a manager plans (the others must stay the framework's own). Held weakly, so
+    a manager dropped without ``close()`` leaves nothing behind for long.
+    """
+    if tx is None:
+        _PLANNED.pop(owner, None)
+    else:
+        _PLANNED[owner] = tx
+
+
+def is_planned(tx: Any) -> bool:
+    """Does an open manager checkpoint the updates of ``tx`` (see :func:`set_planned`)?"""
+    return any(planned is tx for planned in list(_PLANNED.values()))
 
 
 def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:

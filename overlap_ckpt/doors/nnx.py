@@ -49,7 +49,8 @@ from flax import nnx
 
 from ..core import backend
 from ..core.capture import Outbox, capture_update
-from ..core.window_context import ticket_for
+from ..core.extra_args import check_extra_update_args
+from ..core.window_context import is_planned, ticket_for
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
 _OUTBOX = "zz_ckpt_outbox"
@@ -126,12 +127,15 @@ class Optimizer(nnx.Optimizer):
         if _OUTBOX in vars(self):
             refuse_stale_outbox("the optimizer given to update")
         ticket = ticket_for(self.tx)
+        if kwargs and (ticket is not None or is_planned(self.tx)):
+            # At the first step that passes them once a manager plans this optimizer, window
+            # or not: arguments that change the update are refused before any window; the
+            # others are dropped in windows, where the update runs as the host replays it
+            # (core.extra_args). An optimizer no open manager plans stays nnx.Optimizer.
+            check_extra_update_args(self.tx, _pure(nnx.state(grads, self.wrt, graph=self.graph)),
+                                    _pure(self.opt_state), model_params(self, model), _pure(kwargs))
         if ticket is None:
             return super().update(model, grads, **kwargs)
-        if kwargs:
-            raise NotImplementedError(
-                "overlap_ckpt.nnx.Optimizer.update does not pass extra arguments to the optax "
-                "transformation in checkpoint windows.")
         # Extras are not captured here: the forward pass already changed the model's other
         # state; the door copies them before the step (capture_before_step).
         new_params, new_opt_state, outbox = capture_update(

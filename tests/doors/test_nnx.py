@@ -12,6 +12,7 @@ from flax import nnx
 from overlap_ckpt.manager import CheckpointManager
 from overlap_ckpt.tools.models import LMConfig, SyntheticTokens, nnx_init, nnx_loss_fn
 from overlap_ckpt.doors.nnx import Optimizer, to_plain
+from overlap_ckpt.errors import UnsupportedOptimizerError
 
 from conftest import compile_threads, run_in_subprocess
 
@@ -84,6 +85,63 @@ def test_nnx_checkpoints_equal_sync_snapshots_and_resume(tmp_path, window):
         losses = train(mngr, model, optimizer, 4, steps)
         for a, b in zip(losses, ref[4:]):
             np.testing.assert_array_equal(a.reshape(-1).view(np.uint32), b.reshape(-1).view(np.uint32))
+
+
+@nnx.jit(donate_argnums=(0, 1))
+def train_step_passing_the_loss(model, optimizer, batch):
+    loss, grads = nnx.value_and_grad(nnx_loss_fn)(model, batch)
+    optimizer.update(model, grads, value=loss)
+    return loss
+
+
+def test_extra_update_arguments_the_optimizer_ignores_are_checkpointed_exactly(tmp_path):
+    """``update(model, grads, value=loss)`` with adamw (which does not read ``value``): windows
+    run, and every checkpoint equals the live state of its step, bit for bit."""
+    snaps: dict[int, dict] = {}
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=2) as mngr:
+        model, optimizer = make()
+        mngr.prepare(optimizer, model)
+        for t in range(2 * INTERVAL + 1):
+            train_step_passing_the_loss(model, optimizer, DATA.batch(t))
+            mngr.step(optimizer)
+            if mngr.should_save(t + 1):
+                snaps[t + 1] = snapshot(model, optimizer)
+        mngr.wait_until_finished()
+        assert mngr.all_steps() == [4, 8] and mngr.engine.windows_completed == 2
+        for v in (4, 8):
+            raw, _ = mngr.store.restore(v)
+            bitwise_equal(raw["params"], snaps[v]["params"])
+            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+
+
+def scale_by_value_when_given() -> optax.GradientTransformationExtraArgs:
+    def update(updates, state, params=None, *, value=None, **extra):
+        return (updates if value is None else jax.tree.map(lambda u: u * value, updates)), state
+
+    return optax.GradientTransformationExtraArgs(lambda params: optax.EmptyState(), update)
+
+
+def test_extra_update_arguments_that_change_the_update_are_refused_at_the_first_step(tmp_path):
+    """An optimizer that reads ``value`` only when given passes ``prepare`` (which cannot see
+    the arguments); the first step that passes it is refused, long before the first window.
+    The same optimizer without a manager is nnx.Optimizer: it trains, as Flax's does."""
+    tx = optax.chain(scale_by_value_when_given(), optax.adam(1e-2))
+    with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=2) as mngr:
+        model = nnx_init(CFG, 0)
+        optimizer = Optimizer(model, tx, wrt=nnx.Param)
+        mngr.prepare(optimizer, model)
+        with pytest.raises(UnsupportedOptimizerError, match="value") as info:
+            train_step_passing_the_loss(model, optimizer, DATA.batch(0))
+        assert "Stop passing them" in str(info.value)
+        assert int(optimizer.step[...]) == 0
+
+    ours_model, flax_model = nnx_init(CFG, 0), nnx_init(CFG, 0)
+    ours = Optimizer(ours_model, tx, wrt=nnx.Param)  # never given to a manager
+    theirs = nnx.Optimizer(flax_model, tx, wrt=nnx.Param)
+    for t in range(2):
+        train_step_passing_the_loss(ours_model, ours, DATA.batch(t))
+        train_step_passing_the_loss(flax_model, theirs, DATA.batch(t))
+    bitwise_equal(snapshot(ours_model, ours), snapshot(flax_model, theirs))
 
 
 def test_plain_nnx_optimizer_and_shape_mismatch(tmp_path):
