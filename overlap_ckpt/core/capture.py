@@ -29,7 +29,7 @@ from __future__ import annotations
 import contextlib
 import contextvars
 import dataclasses
-from typing import Any, Callable, Iterator
+from typing import Any, Callable, Iterator, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -40,7 +40,7 @@ from . import packing, scalars
 from .interp import InterpretError, interpret
 from .packing import Packing
 from .plan import CapturePlan, LeafLayout
-from .separability import flat_update_fn, input_tokens, optax_update_fn
+from .separability import flat_update_fn, input_tokens, optax_step_fn
 from .slicing import Piece
 
 HOST_KIND = "pinned_host"  # the memory kind jax.memory.Space.Host means on every backend
@@ -188,25 +188,28 @@ def scalars_to_host(plan: CapturePlan, packed: list[jax.Array]) -> list[jax.Arra
     return [to_host(x, plan, sharding) for x in packed]
 
 
-def recorded_update(plan: CapturePlan, params, opt_state, grads, step: Any = None) -> tuple[Any, Any, list[jax.Array]]:
-    """Run the user's update while recording the global scalars the host will need.
+def recorded_update(plan: CapturePlan, params, opt_state, grads,
+                    step: Any = None) -> tuple[Any, Any, Any, list[jax.Array]]:
+    """Run the user's update while recording the global scalars the host will need:
+    ``(new_params, new_opt_state, updates, global scalars)``.
 
     With the runtime step counter on the CPU backend, the update reads each shipped scalar
     through :func:`cut_barrier`, as the host replay does."""
     params_leaves = jax.tree.leaves(params)
     state_leaves = jax.tree.leaves(opt_state)
-    flat = flat_update_fn(plan.update, plan.params_def, plan.state_def)
+    flat = flat_update_fn(optax_step_fn(plan.tx), plan.params_def, plan.state_def, with_updates=True)
     n, m = len(params_leaves), len(state_leaves)
     barrier = cut_barrier(step) if plan.platform == "cpu" and step is not None else None
     outs, interp = interpret(flat, "record", [*params_leaves, *state_leaves, *jax.tree.leaves(grads)],
-                             input_tokens(n, m), read=plan.analysis.cut_read, barrier=barrier)
+                             input_tokens(n, m), read=plan.analysis.cut_read, barrier=barrier,
+                             replayed_outputs=n + m)
     read = tuple(i in interp.read for i in range(len(interp.signature)))
     if read != plan.analysis.cut_read:
         raise InterpretError("the update reads other global scalars in this step than when it was "
                              "planned; re-plan (plan_for) with this step's state.")
     values = [o.value for o in outs]
-    return (jax.tree.unflatten(plan.params_def, values[:n]),
-            jax.tree.unflatten(plan.state_def, values[n:]), interp.read_cuts())
+    return (jax.tree.unflatten(plan.params_def, values[:n]), jax.tree.unflatten(plan.state_def, values[n:n + m]),
+            jax.tree.unflatten(plan.params_def, values[n + m:]), interp.read_cuts())
 
 
 def isolated_gradients(plan: CapturePlan, step: Any, grads):
@@ -275,9 +278,19 @@ def always_true(step: Any) -> jax.Array:
     return step != jnp.asarray(jnp.iinfo(step.dtype).max, step.dtype)
 
 
+class CapturedUpdate(NamedTuple):
+    """What :func:`captured_update` returns."""
+
+    params: Any
+    opt_state: Any
+    outbox: Outbox | None
+    updates: Any  # what tx.update returned and the new params applied (nnx.Optimizer.update returns it)
+
+
 def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None, params, opt_state,
                    grads, extras: Any = None, *, step: Any = None) -> tuple[Any, Any, Outbox | None]:
-    """The optimizer update of a train step, plus the outbox of the ticket's window phase.
+    """The optimizer update of a train step, plus the outbox of the ticket's window phase:
+    ``(new_params, new_opt_state, outbox)`` (:func:`captured_update` without the updates).
 
     Call inside ``jit``. Without a ticket (outside a window) this is exactly the user's
     update, ``optax.apply_updates(params, tx.update(grads, opt_state, params))``, with
@@ -287,15 +300,23 @@ def capture_update(tx: optax.GradientTransformation, ticket: WindowTicket | None
     may differ from the same step without checkpointing in the last bits, while the
     checkpoint equals the live state of its version bit for bit.
     """
+    new_params, new_state, outbox, _ = captured_update(tx, ticket, params, opt_state, grads, extras, step=step)
+    return new_params, new_state, outbox
+
+
+def captured_update(tx: optax.GradientTransformation, ticket: WindowTicket | None, params, opt_state,
+                    grads, extras: Any = None, *, step: Any = None) -> CapturedUpdate:
+    """:func:`capture_update` with the updates it applied, for doors whose update returns
+    them (``nnx.Optimizer.update``). Unused, they cost nothing: ``jit`` drops them."""
     if ticket is None:
-        new_params, new_state = optax_update_fn(tx)(params, opt_state, grads)
-        return new_params, new_state, None
+        new_params, new_state, updates = optax_step_fn(tx)(params, opt_state, grads)
+        return CapturedUpdate(new_params, new_state, None, updates)
     with _leading_axes(max(ticket.lead_axes, lead_axes([ticket.plan]))):
         return _window_update(tx, ticket, params, opt_state, grads, extras, step)
 
 
 def _window_update(tx: optax.GradientTransformation, ticket: WindowTicket, params, opt_state, grads,
-                   extras: Any, step: Any) -> tuple[Any, Any, Outbox]:
+                   extras: Any, step: Any) -> CapturedUpdate:
     plan = ticket.plan
     if plan.tx is not tx:
         raise ValueError("capture_update: the ticket was planned for another optax transformation "
@@ -305,25 +326,26 @@ def _window_update(tx: optax.GradientTransformation, ticket: WindowTicket, param
     if ticket.capture and plan.platform != "cpu":
         outbox, params, opt_state = captured_before_update(ticket, params, opt_state, extras)
     cuts: list = []
+    # plan.update is optax_update_fn(plan.tx): the same program, here with its updates.
     if ticket.last:  # no gradient of this step is shipped or replayed: the update as it is
-        new_params, new_state = plan.update(params, opt_state, grads)
+        new_params, new_state, updates = optax_step_fn(tx)(params, opt_state, grads)
     else:
         grads = isolated_gradients(plan, step, grads)
         if plan.analysis.n_globals:
-            new_params, new_state, cuts = recorded_update(plan, params, opt_state, grads, step)
+            new_params, new_state, updates, cuts = recorded_update(plan, params, opt_state, grads, step)
         else:
-            new_params, new_state = plan.update(params, opt_state, grads)
+            new_params, new_state, updates = optax_step_fn(tx)(params, opt_state, grads)
     if not ticket.capture:
         # The same update as a captured step (its scalars stay outputs, so XLA compiles the
         # update the same way), without copies: the trajectory does not depend on skips.
-        return new_params, new_state, Outbox(ticket, [], [], [], scalars.pack(cuts), [])
+        return CapturedUpdate(new_params, new_state, Outbox(ticket, [], [], [], scalars.pack(cuts), []), updates)
     if outbox is None:
         outbox = capture_state(ticket, params, opt_state, extras)
     if not ticket.last and outbox.packing is not None:
         capture_grads_packed(outbox, grads, cuts)
     elif not ticket.last:
         outbox.grads, outbox.globals = capture_grads(ticket, grads, cuts)
-    return new_params, new_state, outbox
+    return CapturedUpdate(new_params, new_state, outbox, updates)
 
 
 def _check_shapes(plan: CapturePlan, params) -> None:

@@ -37,7 +37,7 @@ def _before(ticket: WindowTicket, params, opt_state, extras) -> Outbox:
 @jax.jit
 def _after(ticket: WindowTicket, grads, params, opt_state) -> tuple[list, list]:
     plan = ticket.plan
-    cuts = recorded_update(plan, params, opt_state, grads)[2] if plan.analysis.n_globals else []
+    cuts = recorded_update(plan, params, opt_state, grads)[-1] if plan.analysis.n_globals else []
     return capture_grads(ticket, grads, cuts)
 
 

@@ -338,18 +338,20 @@ class Interpreter:
 def interpret(fn: Callable, mode: str, args: Sequence[Any], tokens: Sequence[Tokens],
               injected: Sequence[Any] = (), expected: Sequence[tuple[str, str]] | None = None,
               read: Sequence[bool] | None = None, barrier: Callable[..., Any] | None = None,
-              ) -> tuple[list[Labelled], Interpreter]:
+              replayed_outputs: int | None = None) -> tuple[list[Labelled], Interpreter]:
     """Trace ``fn(*flat_args)`` and evaluate it with labelled inputs.
 
     ``args`` is the flat list of input arrays (concrete or tracers), ``tokens`` their
     labels. Returns the labelled flat outputs and the interpreter (whose ``cuts`` holds
     the recorded global scalars in ``record`` mode, ``read`` which of them are read).
     ``read``: which cuts are read, as a record found them (inject mode: which ``injected``
-    holds). ``barrier``: see :class:`Interpreter`.
+    holds). ``barrier``: see :class:`Interpreter`. ``replayed_outputs``: how many leading
+    outputs the host replays (default all); a global scalar that only a later output is
+    (the optax updates a door returns) is not read by the replay.
     """
     closed = jax.make_jaxpr(fn)(*args)
     interp = Interpreter(mode, injected, expected, read, barrier)
     outs = interp.eval_closed(closed, [Labelled(a, t, leaf_tokens=t if np.ndim(a) > 0 else Tokens()) for a, t in zip(args, tokens)])
-    interp._mark_read(outs)
+    interp._mark_read(outs[:replayed_outputs])
     interp.finish()
     return outs, interp

@@ -27,6 +27,7 @@ from ..errors import UnsupportedOptimizerError, brief, internal_error
 from .interp import InterpretError, Tokens, interpret
 
 UpdateFn = Callable[[Any, Any, Any], tuple[Any, Any]]
+StepFn = Callable[[Any, Any, Any], tuple[Any, Any, Any]]
 
 # The optax transformations whose replay CI checks bit for bit (tests/core/test_engine_bitwise.py),
 # as docs/optimizers.md names them; refusal messages point here. Others are analysed from
@@ -40,19 +41,36 @@ KNOWN_EXACT_OPTIMIZERS = (
 )
 
 
+def optax_step_fn(tx: optax.GradientTransformation) -> StepFn:
+    """``(params, opt_state, grads) -> (new_params, new_opt_state, updates)``, exactly as
+    ``flax.training.train_state.TrainState.apply_gradients`` computes it, with the updates
+    it applied (what ``nnx.Optimizer.update`` returns)."""
+
+    def step(params, opt_state, grads):
+        updates, new_opt_state = tx.update(grads, opt_state, params)
+        return optax.apply_updates(params, updates), new_opt_state, updates
+
+    return step
+
+
 def optax_update_fn(tx: optax.GradientTransformation) -> UpdateFn:
-    """``(params, opt_state, grads) -> (new_params, new_opt_state)``, exactly as
-    ``flax.training.train_state.TrainState.apply_gradients`` computes it."""
+    """``(params, opt_state, grads) -> (new_params, new_opt_state)``: :func:`optax_step_fn`
+    without the updates."""
+    step = optax_step_fn(tx)
 
     def update(params, opt_state, grads):
-        updates, new_opt_state = tx.update(grads, opt_state, params)
-        return optax.apply_updates(params, updates), new_opt_state
+        new_params, new_opt_state, _ = step(params, opt_state, grads)
+        return new_params, new_opt_state
 
     return update
 
 
-def flat_update_fn(update: UpdateFn, params_def, state_def) -> Callable:
-    """The update as a function of flat leaf lists, which the interpreter labels."""
+def flat_update_fn(update: UpdateFn | StepFn, params_def, state_def, *, with_updates: bool = False) -> Callable:
+    """The update as a function of flat leaf lists, which the interpreter labels.
+
+    ``with_updates``: ``update`` is a :data:`StepFn` and the leaves of its updates follow
+    the new params and state (they are intermediate values of the same program, so the
+    global scalars it records and reads are the same)."""
     n_params = params_def.num_leaves
     n_state = state_def.num_leaves
 
@@ -60,14 +78,14 @@ def flat_update_fn(update: UpdateFn, params_def, state_def) -> Callable:
         params = jax.tree.unflatten(params_def, leaves[:n_params])
         state = jax.tree.unflatten(state_def, leaves[n_params:n_params + n_state])
         grads = jax.tree.unflatten(params_def, leaves[n_params + n_state:])
-        new_params, new_state = update(params, state, grads)
+        new_params, new_state, *updates = update(params, state, grads)
         new_params_leaves, new_params_def = jax.tree.flatten(new_params)
         new_state_leaves, new_state_def = jax.tree.flatten(new_state)
         if new_params_def != params_def or new_state_def != state_def:
             raise UnsupportedOptimizerError(
                 "the optimizer update changes the structure of params or opt_state; "
                 "overlap_ckpt needs a structure-preserving update.")
-        return [*new_params_leaves, *new_state_leaves]
+        return [*new_params_leaves, *new_state_leaves, *(jax.tree.leaves(updates[0]) if with_updates else ())]
 
     return flat
 

@@ -48,7 +48,7 @@ import jax
 from flax import nnx
 
 from ..core import backend
-from ..core.capture import Outbox, capture_update
+from ..core.capture import Outbox, captured_update
 from ..core.extra_args import check_extra_update_args
 from ..core.window_context import is_planned, ticket_for
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
@@ -138,14 +138,14 @@ class Optimizer(nnx.Optimizer):
             return super().update(model, grads, **kwargs)
         # Extras are not captured here: the forward pass already changed the model's other
         # state; the door copies them before the step (capture_before_step).
-        new_params, new_opt_state, outbox = capture_update(
+        new_params, new_opt_state, outbox, updates = captured_update(
             self.tx, ticket, model_params(self, model), _pure(self.opt_state),
             _pure(nnx.state(grads, self.wrt, graph=self.graph)), None, step=self.step[...])
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1
         setattr(self, _OUTBOX, WindowOutbox(outbox))
-        return None
+        return updates  # as nnx.Optimizer.update
 
 
 def parts_of(optimizer: Optimizer, model: nnx.Module) -> Parts:
