@@ -59,6 +59,14 @@ def bitwise_equal(a, b):
         np.testing.assert_array_equal(x.reshape(-1).view(np.uint8), y.reshape(-1).view(np.uint8))
 
 
+def checkpoint_equals(mngr, step: int, snap: dict) -> dict:
+    """Checkpoint ``step`` equals the live snapshot taken at that step, bit for bit."""
+    raw, _ = mngr.store.restore(step)
+    bitwise_equal(raw["params"], snap["params"])
+    bitwise_equal(raw["opt_state"], snap["opt_state"])
+    return raw
+
+
 @pytest.mark.parametrize("window", [1, 2, 3])
 def test_nnx_checkpoints_equal_sync_snapshots_and_resume(tmp_path, window):
     steps = 2 * INTERVAL + 1
@@ -71,10 +79,8 @@ def test_nnx_checkpoints_equal_sync_snapshots_and_resume(tmp_path, window):
         assert mngr.all_steps() == [4, 8]
         assert mngr.engine.windows_completed == 2
         for v in (4, 8):
-            raw, _ = mngr.store.restore(v)
+            raw = checkpoint_equals(mngr, v, snaps[v])
             assert set(raw) == {"step", "params", "opt_state"}
-            bitwise_equal(raw["params"], snaps[v]["params"])
-            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
             assert int(raw["step"]) == v
 
     with CheckpointManager(tmp_path, save_interval_steps=INTERVAL, window=window) as mngr:
@@ -109,9 +115,7 @@ def test_extra_update_arguments_the_optimizer_ignores_are_checkpointed_exactly(t
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8] and mngr.engine.windows_completed == 2
         for v in (4, 8):
-            raw, _ = mngr.store.restore(v)
-            bitwise_equal(raw["params"], snaps[v]["params"])
-            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+            checkpoint_equals(mngr, v, snaps[v])
 
 
 @nnx.jit
@@ -257,9 +261,7 @@ def gan_loop(directory) -> None:
             mngr.wait_until_finished()
             assert mngr.all_steps() == [4, 8]
             for v in (4, 8):
-                raw, _ = mngr.store.restore(v)
-                bitwise_equal(raw["params"], snaps[v][i]["params"])
-                bitwise_equal(raw["opt_state"], snaps[v][i]["opt_state"])
+                checkpoint_equals(mngr, v, snaps[v][i])
 
 
 def test_two_donated_optimizers_in_one_step(tmp_path):
@@ -293,9 +295,7 @@ def test_compile_ahead_of_an_nnx_step_shared_by_two_managers(tmp_path):
             mngr.wait_until_finished()
             assert mngr.all_steps() == steps
             for v in steps:
-                raw, _ = mngr.store.restore(v)
-                bitwise_equal(raw["params"], snaps[v][i]["params"])
-                bitwise_equal(raw["opt_state"], snaps[v][i]["opt_state"])
+                checkpoint_equals(mngr, v, snaps[v][i])
     assert threads.count("MainThread") == 1, threads
 
 
@@ -348,9 +348,7 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8] and mngr.engine.windows_aborted == 0
         for v in (4, 8):
-            raw, _ = mngr.store.restore(v)
-            bitwise_equal(raw["params"], snaps[v]["params"])
-            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+            checkpoint_equals(mngr, v, snaps[v])
 
 
 def fsdp_loop_compiled_ahead(directory: str) -> None:
@@ -418,9 +416,7 @@ def functional_fsdp_loop(directory: str) -> None:
         mngr.wait_until_finished()
         assert mngr.all_steps() == [4, 8] and not mngr.failed_steps()
         for v in (4, 8):
-            raw, _ = mngr.store.restore(v)
-            bitwise_equal(raw["params"], snaps[v]["params"])
-            bitwise_equal(raw["opt_state"], snaps[v]["opt_state"])
+            checkpoint_equals(mngr, v, snaps[v])
     main = threading.main_thread().name
     assert compiles.count(main) == 2 and compiles.count("overlap-ckpt-compile-ahead") == 2, compiles
 
