@@ -54,6 +54,7 @@ from ..core.window_context import is_planned, ticket_for
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 
 _OUTBOX = "zz_ckpt_outbox"
+_NO_GRADS = object()
 
 
 class WindowOutbox(nnx.Variable):
@@ -123,7 +124,11 @@ class Optimizer(nnx.Optimizer):
     its state is ``nnx.Optimizer``'s at every step.
     """
 
-    def update(self, model: nnx.Module, grads, /, **kwargs):
+    def update(self, model: nnx.Module, grads: Any = _NO_GRADS, /, **kwargs):
+        if grads is _NO_GRADS:  # nnx.Optimizer says why too (its check is private to Flax)
+            raise TypeError(
+                "overlap_ckpt.nnx.Optimizer.update(model, grads) takes the model and the gradients, "
+                "as nnx.Optimizer.update does since Flax 0.11; update(grads) is the older API.")
         if _OUTBOX in vars(self):
             refuse_stale_outbox("the optimizer given to update")
         ticket = ticket_for(self.tx)

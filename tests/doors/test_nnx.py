@@ -1,5 +1,6 @@
 """NNX Optimizer + CheckpointManager: overlapped checkpoints equal synchronous snapshots,
-resume is bitwise, plain nnx.Optimizer and shape mismatches give clear errors."""
+resume is bitwise, plain nnx.Optimizer, the pre-0.11 update call and shape mismatches give
+clear errors."""
 
 from __future__ import annotations
 
@@ -193,6 +194,8 @@ def test_plain_nnx_optimizer_and_shape_mismatch(tmp_path):
         mngr.prepare(optimizer, model)
         train(mngr, model, optimizer, 0, INTERVAL + 1)
         mngr.wait_until_finished()
+        with pytest.raises(TypeError, match=r"update\(model, grads\).*Flax 0\.11"):
+            optimizer.update(nnx.state(model, nnx.Param))  # the pre-0.11 call
         model2, optimizer2 = make(CFG.replace(d_ff=48))
         with pytest.raises(Exception) as info:
             mngr.restore(4, target_state=optimizer2, model=model2)
