@@ -50,8 +50,8 @@ def check_extra_update_args(tx: optax.GradientTransformation, grads: Any, opt_st
     def without_args(g, s, p):
         return tx.update(g, s, p)
 
-    args = _abstract((grads, opt_state, params))
-    given = jax.make_jaxpr(with_args)(_abstract([leaves[i] for i in traced]), *args)
+    args = (grads, opt_state, params)  # make_jaxpr reads only their shapes and dtypes
+    given = jax.make_jaxpr(with_args)([leaves[i] for i in traced], *args)
     try:
         plain = jax.make_jaxpr(without_args)(*args)
     except Exception as e:  # noqa: BLE001 - an update that needs them (prepare refuses it too)
@@ -76,7 +76,3 @@ def _refusal(extra_args: Mapping[str, Any]) -> UnsupportedOptimizerError:
 
 def _is_array_like(x: Any) -> bool:
     return isinstance(x, (jax.Array, np.ndarray, np.generic, bool, int, float, complex))
-
-
-def _abstract(tree: Any) -> Any:
-    return jax.tree.map(lambda x: jax.ShapeDtypeStruct(np.shape(x), jax.dtypes.result_type(x)), tree)

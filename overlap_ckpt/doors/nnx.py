@@ -132,20 +132,23 @@ class Optimizer(nnx.Optimizer):
         if _OUTBOX in vars(self):
             refuse_stale_outbox("the optimizer given to update")
         ticket = ticket_for(self.tx)
-        if kwargs and (ticket is not None or is_planned(self.tx)):
+        checks_args = bool(kwargs) and (ticket is not None or is_planned(self.tx))
+        if ticket is None and not checks_args:
+            return super().update(model, grads, **kwargs)
+        params, opt_state = model_params(self, model), _pure(self.opt_state)
+        grad_arrays = _pure(nnx.state(grads, self.wrt, graph=self.graph))
+        if checks_args:
             # At the first step that passes them once a manager plans this optimizer, window
             # or not: arguments that change the update are refused before any window; the
             # others are dropped in windows, where the update runs as the host replays it
             # (core.extra_args). An optimizer no open manager plans stays nnx.Optimizer.
-            check_extra_update_args(self.tx, _pure(nnx.state(grads, self.wrt, graph=self.graph)),
-                                    _pure(self.opt_state), model_params(self, model), _pure(kwargs))
+            check_extra_update_args(self.tx, grad_arrays, opt_state, params, _pure(kwargs))
         if ticket is None:
             return super().update(model, grads, **kwargs)
         # Extras are not captured here: the forward pass already changed the model's other
         # state; the door copies them before the step (capture_before_step).
         new_params, new_opt_state, outbox, updates = captured_update(
-            self.tx, ticket, model_params(self, model), _pure(self.opt_state),
-            _pure(nnx.state(grads, self.wrt, graph=self.graph)), None, step=self.step[...])
+            self.tx, ticket, params, opt_state, grad_arrays, None, step=self.step[...])
         nnx.update(model, new_params)
         nnx.update(self.opt_state, nnx.state(new_opt_state, graph=self.graph))
         self.step[...] += 1
