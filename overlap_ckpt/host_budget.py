@@ -73,6 +73,15 @@ class BudgetSummary:
         return text + (f" (steps {self.skipped_steps})" if self.skipped_steps else "")
 
 
+def _size(nbytes: int) -> str:
+    """Bytes for a log line, in the unit that keeps them apart: in MiB alone, a small state's
+    copies in flight read "0.0 MiB", and the reason for a delay did not add up."""
+    for unit, scale in (("MiB", 2**20), ("KiB", 2**10)):
+        if nbytes >= scale:
+            return f"{nbytes / scale:.1f} {unit}"
+    return f"{nbytes} bytes"
+
+
 class HostBudget:
     """Admits a checkpoint window when its host memory fits ``max_host_bytes``.
 
@@ -119,8 +128,9 @@ class HostBudget:
         if before + need <= self.limit:
             self._summary.admitted += 1
             return True
-        reason = (f"earlier checkpoints still hold {before / 2**20:.1f} MiB of host memory and this one "
-                  f"needs {need / 2**20:.1f} MiB; max_host_bytes={self.limit} ({self.limit / 2**20:.1f} MiB)")
+        reason = (f"earlier checkpoints still hold {_size(before)} of host memory and this one needs "
+                  f"{_size(need)}, {_size(before + need - self.limit)} more than max_host_bytes="
+                  f"{self.limit} ({_size(self.limit)}) allows")
         if self.on_full == "skip":
             log.warning("checkpoint of step %d skipped: %s. A checkpoint interval shorter than the write "
                         "time keeps skipping; on_host_budget='wait' delays instead.", version, reason)

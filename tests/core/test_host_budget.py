@@ -67,6 +67,15 @@ def test_policy_unit_wait_blocks_and_skip_declines_each_counted_once(caplog):
     messages = [r.getMessage() for r in caplog.records]
     assert sum("step 4 delayed" in m for m in messages) == 1
     assert sum("step 12 skipped" in m for m in messages) == 1
+    # The reason adds up however small the state (100 + 90 bytes against 150: 40 over), where
+    # MiB alone read "hold 0.0 MiB ... needs 0.0 MiB; max_host_bytes=150 (0.0 MiB)".
+    assert sum("still hold 100 bytes of host memory and this one needs 90 bytes, 40 bytes more than "
+               "max_host_bytes=150 (150 bytes) allows" in m for m in messages) == 2, messages
+    kib = HostBudget(max_host_bytes=(1 << 20) + 250, on_full="skip")
+    kib.bind(Footprint(copy=8 << 10, scratch=2 << 10))
+    assert not kib.admit(16, lambda: 1 << 20, wait)
+    assert ("still hold 1.0 MiB of host memory and this one needs 10.0 KiB, 9.8 KiB more than "
+            "max_host_bytes=1048826 (1.0 MiB) allows") in caplog.records[-1].getMessage()
     with pytest.raises(ConfigError, match="on_host_budget"):
         HostBudget(on_full="drop")
 
