@@ -201,6 +201,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     ap.add_argument("--no-orbax", action="store_true", help="skip the Orbax measurements")
     ap.add_argument("--no-cold", action="store_true", help="skip the cold-cache restores")
     ap.add_argument("--chunk-mib", type=float, default=None, help="CheckpointStore chunk_bytes (MiB)")
+    ap.add_argument("--no-checksums", action="store_true",
+                    help="CheckpointStore(checksums=False): chunks without crc32c, as Orbax writes them")
     ap.add_argument("--beside-training", metavar="MODEL", default=None,
                     help="train this LMConfig preset (e.g. 20m) in a background thread throughout")
     args = ap.parse_args(argv)
@@ -224,6 +226,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     store_kw = {}
     if args.chunk_mib:
         store_kw["chunk_bytes"] = int(args.chunk_mib * 2**20)
+    if args.no_checksums:
+        store_kw["checksums"] = False
     print(f"state: {gib:.3f} GiB in {len(arrays)} leaves; files under {work}", flush=True)
 
     runs: dict[str, list[float]] = {k: [] for k in (

@@ -318,6 +318,7 @@ class TieredStore:
         return CheckpointStore(
             self._local_dir, max_to_keep=self.tier.max_to_keep, read_only=durable.read_only,
             coordinator=SingleProcess(), item_name=durable.item_name, chunk_bytes=durable.chunk_bytes,
+            checksums=durable.checksums,
             on_backpressure=durable.on_backpressure, max_pending_host_copies=durable.max_pending_host_copies)
 
     def check_not_foreign(self) -> None:

@@ -33,7 +33,10 @@ import tensorstore as ts
 from .errors import InvalidMetadataError
 from .tree import ARRAY_VALUE_TYPES, EMPTY_VALUE_TYPES, KEY_DICT, KEY_SEQUENCE, Leaf
 
-FORMAT_VERSION = 1
+# 2: arrays may be written without crc32c (the manifest's "crc32c": false). A manifest whose
+# arrays all have it is still written as 1, which every release reads; a release that reads
+# only 1 then refuses the others with "upgrade", not with "lost its crc32c codec".
+FORMAT_VERSION = 2
 ITEM_NAME = "default"
 TMP_SUFFIX = ".orbax-checkpoint-tmp"
 DELETING_SUFFIX = TMP_SUFFIX + "-deleting"
@@ -224,13 +227,16 @@ def numpy_dtype(name: str, what: str) -> np.dtype:
         raise InvalidMetadataError(f"{what}: unknown data type {name!r}.", path=what) from e
 
 
-def zarr3_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[int]) -> dict[str, Any]:
-    """zarr3 array metadata: raw little-endian bytes plus a crc32c per chunk, no compression.
+def zarr3_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[int], *,
+                   checksums: bool = True) -> dict[str, Any]:
+    """zarr3 array metadata: raw little-endian bytes plus, with ``checksums``, a crc32c per
+    chunk; no compression.
 
     Why no compression: model weights are high-entropy floats; zstd buys a few percent of
     space for a large share of the persist time. The crc32c codec makes every chunk
     self-verifying: TensorStore checks it on each read (restore and verify).
     """
+    codecs: list[dict[str, Any]] = [{"name": "bytes", "configuration": {"endian": "little"}}]
     return {
         "zarr_format": 3,
         "node_type": "array",
@@ -239,7 +245,7 @@ def zarr3_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[
         "chunk_grid": {"name": "regular", "configuration": {"chunk_shape": [int(c) for c in chunk_shape]}},
         "chunk_key_encoding": {"name": "default", "configuration": {"separator": "/"}},
         "fill_value": False if np.dtype(dtype) == np.bool_ else 0,
-        "codecs": [{"name": "bytes", "configuration": {"endian": "little"}}, {"name": "crc32c"}],
+        "codecs": codecs + [{"name": "crc32c"}] if checksums else codecs,
     }
 
 
@@ -256,6 +262,9 @@ class ArrayRecord:
     shape: tuple[int, ...]
     dtype: np.dtype
     chunk_shape: tuple[int, ...]
+    # Written with a crc32c per chunk: restore then refuses the array if its zarr.json lost
+    # the codec. Manifests from before the store's ``checksums`` option always had them.
+    checksummed: bool = True
 
     @property
     def nbytes(self) -> int:
@@ -265,11 +274,11 @@ class ArrayRecord:
 def manifest(step: int, arrays: Sequence[ArrayRecord], process_count: int) -> dict[str, Any]:
     return {
         "format": "overlap_ckpt",
-        "format_version": FORMAT_VERSION,
+        "format_version": 1 if all(a.checksummed for a in arrays) else FORMAT_VERSION,
         "step": step,
         "process_count": process_count,
         "arrays": {a.name: {"shape": list(a.shape), "dtype": zarr_dtype(a.dtype),
-                            "chunk_shape": list(a.chunk_shape)} for a in arrays},
+                            "chunk_shape": list(a.chunk_shape), "crc32c": a.checksummed} for a in arrays},
     }
 
 
@@ -292,7 +301,10 @@ def parse_manifest(raw: bytes, what: str) -> dict[str, ArrayRecord]:
         _require(_int_list(shape) and _int_list(chunk) and len(shape) == len(chunk), what,
                  f"array {name!r} has a bad shape/chunk_shape")
         _require(isinstance(spec.get("dtype"), str), what, f"array {name!r} has no dtype")
-        out[name] = ArrayRecord(name, tuple(shape), numpy_dtype(spec["dtype"], what), tuple(chunk))
+        checksummed = spec.get("crc32c", True)
+        _require(isinstance(checksummed, bool), what, f"array {name!r} has a non-boolean crc32c")
+        out[name] = ArrayRecord(name, tuple(shape), numpy_dtype(spec["dtype"], what), tuple(chunk),
+                                checksummed)
     return out
 
 

@@ -46,9 +46,10 @@ class ArrayWrite:
     name: str
     host: HostArray
     chunk_shape: tuple[int, ...]
+    checksums: bool = True
 
 
-def prepare_arrays(leaves: Sequence[Leaf], chunk_bytes: int) -> list[ArrayWrite]:
+def prepare_arrays(leaves: Sequence[Leaf], chunk_bytes: int, *, checksums: bool = True) -> list[ArrayWrite]:
     """Validate the flattened tree (names, dtypes, collisions) and choose each array's chunks.
 
     Raises ``ValueError``/``TypeError`` naming the offending leaf; runs in the caller's thread
@@ -69,7 +70,7 @@ def prepare_arrays(leaves: Sequence[Leaf], chunk_bytes: int) -> list[ArrayWrite]
         host = leaf.value
         layout.zarr_dtype(host.dtype)  # TypeError for dtypes zarr3/TensorStore cannot store
         chunk = chunk_shape_for(host, chunk_bytes)
-        arrays.append(ArrayWrite(name, host, chunk))
+        arrays.append(ArrayWrite(name, host, chunk, checksums))
     return arrays
 
 
@@ -83,7 +84,7 @@ def auto_data_file_size(nbytes: int) -> int:
 def write_item_metadata(location: Location, item_rel: str, step: int, leaves: Sequence[Leaf],
                         arrays: Sequence[ArrayWrite], process_count: int) -> None:
     """Primary only, after :func:`merge_into_root`: Orbax's ``_METADATA`` and our manifest."""
-    records = [layout.ArrayRecord(a.name, a.host.shape, a.host.dtype, a.chunk_shape) for a in arrays]
+    records = [layout.ArrayRecord(a.name, a.host.shape, a.host.dtype, a.chunk_shape, a.checksums) for a in arrays]
     location.write_bytes(f"{item_rel}/{layout.TREE_METADATA}", layout.dumps(layout.tree_metadata(leaves)))
     location.write_bytes(f"{item_rel}/{layout.MANIFEST}",
                          layout.dumps(layout.manifest(step, records, process_count)))
@@ -166,7 +167,7 @@ def write_process_shards(location: Location, item_rel: str, process_index: int,
         spec = {
             "driver": "zarr3",
             "kvstore": {**kv, "path": a.name + "/"},
-            "metadata": layout.zarr3_metadata(a.host.shape, a.host.dtype, a.chunk_shape),
+            "metadata": layout.zarr3_metadata(a.host.shape, a.host.dtype, a.chunk_shape, checksums=a.checksums),
             "create": True,
             "recheck_cached_data": False,
             "recheck_cached_metadata": False,
