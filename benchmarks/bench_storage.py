@@ -82,15 +82,19 @@ def leaves_of(tree) -> list[np.ndarray]:
 
 
 def drop_cache(path: str) -> None:
-    """Evict ``path``'s files from the page cache (they are clean: fsync'd)."""
-    for dirpath, _dirs, files in os.walk(path):
-        for name in files:
-            fd = os.open(os.path.join(dirpath, name), os.O_RDONLY)
-            try:
-                os.fsync(fd)
-                os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-            finally:
-                os.close(fd)
+    """Evict the file ``path``, or every file under the directory ``path``, from the page
+    cache (they are clean: fsync'd). A file is named itself: ``os.walk`` of a file yields
+    nothing, and the raw read's file was left in the cache before this (its "cold" reads
+    ran at page-cache speed, 3.4-4.0 GiB/s, against ~1 GiB/s from this VM's disk)."""
+    files = [path] if os.path.isfile(path) else [
+        os.path.join(dirpath, name) for dirpath, _dirs, names in os.walk(path) for name in names]
+    for name in files:
+        fd = os.open(name, os.O_RDONLY)
+        try:
+            os.fsync(fd)
+            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        finally:
+            os.close(fd)
 
 
 def raw_write(path: str, arrays: list[np.ndarray]) -> None:
