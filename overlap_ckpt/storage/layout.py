@@ -249,6 +249,12 @@ def zarr3_metadata(shape: Sequence[int], dtype: np.dtype, chunk_shape: Sequence[
     }
 
 
+def has_crc32c(store: ts.TensorStore) -> bool:
+    """Whether an opened array's chunks carry a crc32c (ours by default; not Orbax's, nor
+    ours written with ``checksums=False``), which TensorStore then checks on every read."""
+    return "crc32c" in str(store.codec.to_json())
+
+
 #: No array of a checkpoint may claim more bytes than this (1 PiB): larger shapes come from
 #: crafted or corrupt metadata and are refused before any allocation.
 MAX_ARRAY_BYTES = 1 << 50

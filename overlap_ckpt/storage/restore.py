@@ -136,7 +136,7 @@ def open_arrays(view: StepView, names: Iterable[str], context: ts.Context) -> di
             raise read_error(e, step=view.step, path=view.where, array=name) from e
         record = view.manifest.get(name) if view.manifest else None
         layout.check_zarr_spec(name, store, record, view.where)
-        if record is not None and record.checksummed and "crc32c" not in str(store.codec.to_json()):
+        if record is not None and record.checksummed and not layout.has_crc32c(store):
             raise InvalidMetadataError(
                 f"{view.where}: array {name!r} lost its crc32c codec; its zarr.json was modified "
                 "after it was written. Restore another step.", step=view.step, path=view.where)

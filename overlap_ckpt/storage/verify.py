@@ -14,6 +14,7 @@ import math
 
 import tensorstore as ts
 
+from . import layout
 from .errors import CheckpointError, read_error
 from .location import Location
 from .restore import PendingRead, bounded, open_arrays, open_step, stored_nbytes
@@ -101,7 +102,7 @@ def verify_step(location: Location, step: int, step_rel: str, item_name: str, co
         check.arrays += 1
         check.chunks += math.prod(math.ceil(n / max(1, c)) for n, c in
                                   zip(store.shape, store.chunk_layout.read_chunk.shape or store.shape))
-        if "crc32c" not in str(store.codec.to_json()):
+        if not layout.has_crc32c(store):
             check.checksummed = False
         try:
             fut.result()
