@@ -5,10 +5,13 @@ and the Orbax handler, where Orbax commits the step itself) must write an item t
 way, or stock Orbax would read one and not the other. The order is the crash-safety
 argument, so it is written once:
 
-1. every process writes its own shards into its own OCDBT database (``write_item``);
+1. every process writes its own shards into its own OCDBT database (``write_item``); the
+   primary writes ``_METADATA``, the manifest and the step metadata meanwhile (they do not
+   depend on the data, and a small file's fsync then overlaps the data's instead of
+   following it);
 2. barrier ``data``: every process's data is durable;
-3. the primary merges the databases into the item root and writes ``_METADATA``;
-4. the primary writes the step metadata and commits (tmp dir + rename, or a marker);
+3. the primary merges the databases into the item root;
+4. the primary commits (tmp dir + rename, or a marker written last);
 5. barrier ``committed``.
 
 A crash anywhere before 4 leaves an uncommitted directory that readers ignore.
@@ -29,17 +32,26 @@ from .tree import Leaf
 def write_item(location: Location, item_rel: str, step: int, leaves: Sequence[Leaf],
                arrays: Sequence[writer.ArrayWrite], context: ts.Context, *,
                coordinator: Coordinator = SingleProcess(), batch_bytes: int,
-               data_file_size: int | None = None) -> None:
-    """Steps 1-3: write the item's arrays and metadata into ``item_rel`` (which exists)."""
+               data_file_size: int | None = None,
+               more_metadata: Callable[[], None] = lambda: None) -> None:
+    """Steps 1-3: write the item's arrays and metadata into ``item_rel`` (which exists).
+
+    ``more_metadata`` writes the primary's other files of the step while the data is written."""
     if data_file_size is None:
         data_file_size = writer.auto_data_file_size(sum(a.host.nbytes for a in arrays))
+
+    def metadata() -> None:
+        if coordinator.is_primary():
+            writer.write_item_metadata(location, item_rel, step, leaves, arrays, coordinator.process_count)
+            more_metadata()
+
     writer.write_process_shards(location, item_rel, coordinator.process_index, arrays, context,
-                                step=step, batch_bytes=batch_bytes, target_data_file_size=data_file_size)
+                                step=step, batch_bytes=batch_bytes, target_data_file_size=data_file_size,
+                                alongside=metadata)
     hooks.fire("data_written", step=step)
     coordinator.barrier(f"overlap_ckpt:{step}:data")
     if coordinator.is_primary():
         writer.merge_into_root(location, item_rel, context)
-        writer.write_item_metadata(location, item_rel, step, leaves, arrays, coordinator.process_count)
 
 
 def persist_step(location: Location, step: int, item_name: str, leaves: Sequence[Leaf],
@@ -55,9 +67,10 @@ def persist_step(location: Location, step: int, item_name: str, leaves: Sequence
         location.make_dir(item)
     coordinator.barrier(f"overlap_ckpt:{step}:created")
     write_item(location, item, step, leaves, arrays, writer.step_context(context),
-               coordinator=coordinator, batch_bytes=batch_bytes, data_file_size=data_file_size)
+               coordinator=coordinator, batch_bytes=batch_bytes, data_file_size=data_file_size,
+               more_metadata=lambda: location.write_bytes(f"{work}/{layout.STEP_METADATA}",
+                                                          layout.dumps(step_metadata)))
     if coordinator.is_primary():
-        location.write_bytes(f"{work}/{layout.STEP_METADATA}", layout.dumps(step_metadata))
         hooks.fire("metadata_written", step=step)
         hooks.fire("before_commit", step=step)
         commit.commit(location, step)

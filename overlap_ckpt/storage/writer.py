@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import collections
 import dataclasses
-from typing import Any, Sequence
+from typing import Any, Callable, Sequence
 
 import tensorstore as ts
 
@@ -83,7 +83,8 @@ def auto_data_file_size(nbytes: int) -> int:
 
 def write_item_metadata(location: Location, item_rel: str, step: int, leaves: Sequence[Leaf],
                         arrays: Sequence[ArrayWrite], process_count: int) -> None:
-    """Primary only, after :func:`merge_into_root`: Orbax's ``_METADATA`` and our manifest."""
+    """Primary only: Orbax's ``_METADATA`` and our manifest. They describe the arrays, not their
+    bytes, so they are written while the data is (``write_process_shards(alongside=...)``)."""
     records = [layout.ArrayRecord(a.name, a.host.shape, a.host.dtype, a.chunk_shape, a.checksums) for a in arrays]
     location.write_bytes(f"{item_rel}/{layout.TREE_METADATA}", layout.dumps(layout.tree_metadata(leaves)))
     location.write_bytes(f"{item_rel}/{layout.MANIFEST}",
@@ -146,13 +147,16 @@ def ocdbt_spec(location: Location, rel_dir: str, *, write: bool = False,
 
 def write_process_shards(location: Location, item_rel: str, process_index: int,
                          arrays: Sequence[ArrayWrite], context: ts.Context, *, step: int,
-                         batch_bytes: int, target_data_file_size: int) -> None:
+                         batch_bytes: int, target_data_file_size: int,
+                         alongside: Callable[[], None] = lambda: None) -> None:
     """Write this process's shards of every array; returns once all are durable.
 
     Every array gets its ``zarr.json`` (each process writes the same metadata, so the
-    merged root holds one consistent copy), then every shard is written. On failure all
-    writes already issued are awaited before raising, so nothing writes into a directory
-    the caller is about to delete.
+    merged root holds one consistent copy), then every shard is written. ``alongside`` runs
+    in this thread once the first commit is issued, while TensorStore writes the data: work
+    that does not depend on the data (the primary's metadata files) then costs no time of
+    its own. On failure, its or a write's, all writes already issued are awaited before
+    raising, so nothing writes into a directory the caller is about to delete.
     """
     rel = f"{item_rel}/{layout.process_dir(process_index)}"
     location.make_dir(rel)
@@ -194,12 +198,15 @@ def write_process_shards(location: Location, item_rel: str, process_index: int,
                 if staged >= batch_bytes:
                     commits.append(_commit(txn, writes))
                     if first_batch:  # later batches rely on the committed zarr.json
+                        alongside()
                         commits.popleft().result()
                         first_batch = False
                     while len(commits) > 1:
                         commits.popleft().result()
                     txn, staged, writes = ts.Transaction(), 0, []
         commits.append(_commit(txn, writes))
+        if first_batch:
+            alongside()
         while commits:
             commits.popleft().result()
     except BaseException as e:  # noqa: BLE001 - re-raised below after draining

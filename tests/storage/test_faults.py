@@ -105,6 +105,46 @@ def test_injected_enospc_is_reported_and_next_save_succeeds(saved, hook, stage):
     assert back["layer"]["w"].tobytes() == tree(1)["layer"]["w"].tobytes()
 
 
+def test_a_failed_metadata_write_is_reported_once_the_data_in_flight_is_written(saved, monkeypatch):
+    """The primary writes its metadata files while TensorStore writes the step's data. When
+    one fails, the error may leave the writer only after every data write already issued
+    has finished: the step's directory is removed next, and a write landing later would
+    recreate it."""
+    from overlap_ckpt.storage import writer
+
+    commits, done_when_raised = [], []
+    real_commit, real_shards = writer._commit, writer.write_process_shards
+
+    def commit(txn, writes):
+        commits.append(real_commit(txn, writes))
+        return commits[-1]
+
+    def write_process_shards(*args, **kwargs):
+        try:
+            return real_shards(*args, **kwargs)
+        except OSError:
+            done_when_raised.extend(c.done() for c in commits)
+            raise
+
+    def write_item_metadata(*args, **kwargs):
+        raise OSError(errno.ENOSPC, "No space left on device")
+
+    monkeypatch.setattr(writer, "_commit", commit)
+    monkeypatch.setattr(writer, "write_process_shards", write_process_shards)
+    monkeypatch.setattr(writer, "write_item_metadata", write_item_metadata)
+    big = {**tree(2), "big": np.arange(1 << 20, dtype=np.float32)}  # 4 MiB in 2 KiB chunks
+    saved.save(2, big)
+    with pytest.raises(OutOfSpaceError) as info:
+        saved.wait_until_finished()
+    assert info.value.step == 2
+    assert done_when_raised == [True]
+    assert saved.all_steps() == [1] and saved.incomplete_steps() == []
+    monkeypatch.undo()
+    saved.save(3, big)
+    saved.wait_until_finished()
+    assert saved.all_steps() == [1, 3]
+
+
 def test_error_raised_by_next_save_which_is_not_queued(saved, hook):
     def fail(st, info):
         if st == "data_written" and info["step"] == 2:
