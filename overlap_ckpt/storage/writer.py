@@ -22,8 +22,10 @@ from __future__ import annotations
 
 import collections
 import dataclasses
+import functools
 from typing import Any, Callable, Sequence
 
+import numpy as np
 import tensorstore as ts
 
 from ..hostarray import HostArray
@@ -145,6 +147,27 @@ def ocdbt_spec(location: Location, rel_dir: str, *, write: bool = False,
     return spec
 
 
+@functools.lru_cache(maxsize=4096)
+def array_spec(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...],
+               checksums: bool) -> ts.Spec:
+    """The zarr3 spec that creates one array, without its kvstore (the step's database).
+
+    Why cached: a checkpoint opens every leaf again in a new database, and parsing the spec
+    from JSON was most of that (20 ms for 202 leaves against 6 ms from a parsed ``ts.Spec``,
+    more beside training). A model's leaves repeat a few shapes, so the cache stays small.
+    """
+    return ts.Spec({
+        "driver": "zarr3",
+        "metadata": layout.zarr3_metadata(shape, dtype, chunk_shape, checksums=checksums),
+        "create": True,
+        "recheck_cached_data": False,
+        "recheck_cached_metadata": False,
+        # Write every chunk even if it equals the fill value: a missing chunk then always
+        # means a lost chunk, which restore reports instead of silently returning zeros.
+        "store_data_equal_to_fill_value": True,
+    })
+
+
 def write_process_shards(location: Location, item_rel: str, process_index: int,
                          arrays: Sequence[ArrayWrite], context: ts.Context, *, step: int,
                          batch_bytes: int, target_data_file_size: int,
@@ -166,20 +189,9 @@ def write_process_shards(location: Location, item_rel: str, process_index: int,
     # parallel) per batch. Later batches overlap: the next one is staged while the previous
     # one is being written, two in flight at most. Staging only references host buffers.
     txn = ts.Transaction()
-    opens = []
-    for a in arrays:
-        spec = {
-            "driver": "zarr3",
-            "kvstore": {**kv, "path": a.name + "/"},
-            "metadata": layout.zarr3_metadata(a.host.shape, a.host.dtype, a.chunk_shape, checksums=a.checksums),
-            "create": True,
-            "recheck_cached_data": False,
-            "recheck_cached_metadata": False,
-            # Write every chunk even if it equals the fill value: a missing chunk then always
-            # means a lost chunk, which restore reports instead of silently returning zeros.
-            "store_data_equal_to_fill_value": True,
-        }
-        opens.append(ts.open(spec, context=context, transaction=txn))
+    database = ts.KvStore.open(kv, context=context).result()
+    opens = [ts.open(array_spec(a.host.shape, a.host.dtype, a.chunk_shape, a.checksums),
+                     kvstore=database / f"{a.name}/", context=context, transaction=txn) for a in arrays]
     commits: collections.deque = collections.deque()
     first_error: BaseException | None = None
     try:
