@@ -29,6 +29,10 @@ the same training (on a 2-core machine training takes the CPU that checksumming 
 kernel's page-cache copies need). Without it, CPU seconds per GiB of each write are
 reported too (the cost that competes with training).
 
+Each persist is also split into phases by the store's stage hooks (:func:`persist_phases`),
+so that the report tells the disk-bound part (the data phase, against the raw write) from the
+fixed cost each checkpoint pays whatever its size.
+
 Restores are measured "warm" (files in the page cache, as right after a save) and, with
 ``--cold`` (default on), after evicting every checkpoint file from the page cache with
 ``posix_fadvise(DONTNEED)`` (no root needed), so that reads come from the device.
@@ -146,6 +150,35 @@ def cpu_seconds() -> float:
     return usage.ru_utime + usage.ru_stime
 
 
+PHASES = ("queue", "setup", "data", "tail")
+
+
+def persist_phases(saved_at: float, marks: dict[str, float]) -> dict[str, float]:
+    """Seconds of one persist by phase, from the first time each storage stage fired
+    (``overlap_ckpt.storage.hooks``) and ``saved_at``, when ``save`` was called:
+
+    * ``queue``: to the writer thread starting the step;
+    * ``setup``: to the first array's writes being issued (leftovers removed, directories made,
+      every array opened: a cost per leaf, not per byte);
+    * ``data``: to every byte durable (TensorStore writes and fsyncs the data files; the
+      metadata files are written meanwhile);
+    * ``tail``: to the step being committed (merge of the B-trees, marker, fsyncs, rename).
+    """
+    order = [saved_at] + [marks[stage] for stage in ("start", "array_write", "data_written", "committed")]
+    return {name: end - begin for name, begin, end in zip(PHASES, order, order[1:])}
+
+
+class PhaseMarks:
+    """Records when each storage stage first fires during one persist (a hook that injects no
+    fault: :func:`overlap_ckpt.storage.set_fault_hook`)."""
+
+    def __init__(self) -> None:
+        self.marks: dict[str, float] = {}
+
+    def __call__(self, stage: str, info: dict) -> None:
+        self.marks.setdefault(stage, time.perf_counter())
+
+
 class TrainingLoad:
     """Trains a preset language model in a daemon thread until stopped: the CPU competition
     a checkpoint writer meets beside training, applied equally to every measurement."""
@@ -214,7 +247,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     import jax
     import orbax.checkpoint as ocp
 
-    from overlap_ckpt.storage import CheckpointStore
+    from overlap_ckpt.storage import CheckpointStore, set_fault_hook
 
     parent = os.path.abspath(args.dir or tempfile.gettempdir())
     os.makedirs(parent, exist_ok=True)
@@ -238,6 +271,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "raw_write", "raw_write_parallel", "ours_persist", "orbax_save", "ours_restore_warm", "orbax_restore_warm",
         "ours_restore_cold", "orbax_restore_cold", "raw_read_cold")}
     cpu_per_gib: dict[str, list[float]] = {}  # writes only, and only without a training load
+    phases: dict[str, list[float]] = {name: [] for name in PHASES}  # ours_persist, seconds
 
     def rate(key, seconds):
         runs[key].append(gib / seconds)
@@ -253,8 +287,17 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         store = CheckpointStore(ours_dir, **store_kw)
 
         def persist():
-            store.save(1, state)
-            store.wait_until_finished()
+            clock = PhaseMarks()
+            previous = set_fault_hook(clock)
+            try:
+                saved_at = time.perf_counter()
+                store.save(1, state)
+                store.wait_until_finished()
+            finally:
+                set_fault_hook(previous)
+            if record:
+                for name, seconds in persist_phases(saved_at, clock.marks).items():
+                    phases[name].append(seconds)
 
         def orbax_save():
             ckptr.save(orbax_dir, jax_state)
@@ -366,6 +409,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         ours / raw for ours, raw in zip(runs["ours_persist"], runs["raw_write"]))
     print(f"{'(ours persist vs raw, median of rounds)':42s} {'':15s} {'':14s}  "
           f"{ratios['persist_vs_raw_paired']:.2f}x raw")
+    phase_med = {name: statistics.median(v) for name, v in phases.items()}
+    ratios["persist_data_phase_vs_raw"] = gib / phase_med["data"] / med["raw_write"]
+    print("ours persist by phase (median ms): " + ", ".join(f"{k} {v * 1e3:.0f}" for k, v in phase_med.items())
+          + f"; the data phase alone {gib / phase_med['data']:.2f} GiB/s = "
+          f"{ratios['persist_data_phase_vs_raw']:.2f}x raw")
     cpu_med = {k: statistics.median(v) for k, v in cpu_per_gib.items()}
     if cpu_med:
         print("CPU seconds per GiB written: " + ", ".join(f"{k} {v:.2f}" for k, v in cpu_med.items()))
@@ -382,6 +430,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         "filesystem_dir": parent,
         "machine": {"platform": platform.platform(), "cpus": os.cpu_count(), "python": platform.python_version()},
         "runs_gibps": runs, "median_gibps": med, "ratios": ratios, "cpu_s_per_gib": cpu_med,
+        "persist_phases_s": phases,
         "beside_training": training,
         "targets": {"persist_vs_raw": 0.9, "restore_vs_orbax": 2.0},
         "notes": "orbax restores and ours go to the same CPU sharding; cold = page cache evicted "

@@ -159,3 +159,38 @@ def test_drop_cache_evicts_a_file_and_every_file_of_a_directory(tmp_path):
     assert all(resident_pages(f) > 0 for f in files[1:])
     drop_cache(str(tmp_path / "d"))
     assert [resident_pages(f) for f in files] == [0, 0, 0]
+
+
+def test_persist_phases_attribute_time_to_the_stage_it_was_spent_in(tmp_path):
+    """The storage benchmark splits each persist by the store's stage hooks; time spent
+    between two stages (here a 0.3 s stall after the first array's writes are issued) must
+    land in that phase alone, and the phases add up to the persist's wall time."""
+    import time
+
+    import numpy as np
+
+    from benchmarks.bench_storage import PHASES, PhaseMarks, persist_phases
+    from overlap_ckpt.storage import CheckpointStore, set_fault_hook
+
+    clock, stalled = PhaseMarks(), []
+
+    def hook(stage, info):
+        clock(stage, info)
+        if stage == "array_write" and not stalled:
+            stalled.append(stage)
+            time.sleep(0.3)
+
+    store = CheckpointStore(tmp_path / "ck")
+    previous = set_fault_hook(hook)
+    try:
+        saved_at = time.perf_counter()
+        store.save(1, {"w": np.ones((256, 256), np.float32), "b": np.zeros(256, np.float32)})
+        store.wait_until_finished()
+        elapsed = time.perf_counter() - saved_at
+    finally:
+        set_fault_hook(previous)
+        store.close()
+    phases = persist_phases(saved_at, clock.marks)
+    assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values()), phases
+    assert phases["data"] >= 0.3 and max(phases["queue"], phases["setup"], phases["tail"]) < 0.3, phases
+    assert sum(phases.values()) <= elapsed
