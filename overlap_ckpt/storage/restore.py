@@ -104,30 +104,38 @@ def open_step(location: Location, step: int | None, step_rel: str, item_name: st
     return StepView(location, step, step_rel, item_rel, tree, manifest, custom)
 
 
-def array_spec(view: StepView, name: str) -> dict[str, Any]:
-    layout.validate_array_name(name)
+def item_kvstore(view: StepView, context: ts.Context) -> ts.KvStore:
+    """The kvstore of the item's arrays, opened once for all of them: the step's OCDBT
+    database, or the item directory (a sub-directory per array) where the step was written
+    without OCDBT. Opening is lazy: a damaged database is reported when an array is opened."""
     use_ocdbt = view.tree.use_ocdbt
     if use_ocdbt is None:
         use_ocdbt = view.location.exists(f"{view.item_rel}/manifest.ocdbt")
-    if use_ocdbt:
-        kvstore = {**writer.ocdbt_spec(view.location, view.item_rel), "path": name + "/"}
-    else:
-        kvstore = view.location.kvstore_spec(f"{view.item_rel}/{name}")
-    return {
-        "driver": "zarr3" if view.tree.use_zarr3 else "zarr",
-        "kvstore": kvstore,
+    spec = (writer.ocdbt_spec(view.location, view.item_rel) if use_ocdbt
+            else view.location.kvstore_spec(view.item_rel))
+    return ts.KvStore.open(spec, context=context).result()
+
+
+@functools.lru_cache(maxsize=8)
+def open_spec(driver: str, fill_missing_data_reads: bool) -> ts.Spec:
+    """How every array of a step is opened, parsed once (as :func:`writer.array_spec`: a JSON
+    spec per leaf cost more than the opens themselves)."""
+    return ts.Spec({
+        "driver": driver,
         "open": True,
         "recheck_cached_data": False,
         "recheck_cached_metadata": False,
         # Our steps (and Orbax's) store every chunk: a missing one is an error, not zeros.
-        "fill_missing_data_reads": not view.tree.data_complete,
-    }
+        "fill_missing_data_reads": fill_missing_data_reads,
+    })
 
 
 def open_arrays(view: StepView, names: Iterable[str], context: ts.Context) -> dict[str, ts.TensorStore]:
     """Open every named array concurrently and validate it against the manifest."""
-    names = list(names)
-    futures = {n: ts.open(array_spec(view, n), context=context, read=True) for n in names}
+    names = [layout.validate_array_name(n) for n in names]
+    arrays = item_kvstore(view, context)
+    spec = open_spec("zarr3" if view.tree.use_zarr3 else "zarr", not view.tree.data_complete)
+    futures = {n: ts.open(spec, kvstore=arrays / f"{n}/", context=context, read=True) for n in names}
     stores = {}
     for name, fut in futures.items():
         try:
