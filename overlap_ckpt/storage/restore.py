@@ -118,7 +118,7 @@ def item_kvstore(view: StepView, context: ts.Context) -> ts.KvStore:
 
 @functools.lru_cache(maxsize=8)
 def open_spec(driver: str, fill_missing_data_reads: bool) -> ts.Spec:
-    """How every array of a step is opened, parsed once (as :func:`writer.array_spec`: a JSON
+    """How every array of a step is opened, parsed once (as :func:`writer.create_spec`: a JSON
     spec per leaf cost more than the opens themselves)."""
     return ts.Spec({
         "driver": driver,

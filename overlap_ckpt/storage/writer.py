@@ -148,7 +148,7 @@ def ocdbt_spec(location: Location, rel_dir: str, *, write: bool = False,
 
 
 @functools.lru_cache(maxsize=4096)
-def array_spec(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...],
+def create_spec(shape: tuple[int, ...], dtype: np.dtype, chunk_shape: tuple[int, ...],
                checksums: bool) -> ts.Spec:
     """The zarr3 spec that creates one array, without its kvstore (the step's database).
 
@@ -190,7 +190,7 @@ def write_process_shards(location: Location, item_rel: str, process_index: int,
     # one is being written, two in flight at most. Staging only references host buffers.
     txn = ts.Transaction()
     database = ts.KvStore.open(kv, context=context).result()
-    opens = [ts.open(array_spec(a.host.shape, a.host.dtype, a.chunk_shape, a.checksums),
+    opens = [ts.open(create_spec(a.host.shape, a.host.dtype, a.chunk_shape, a.checksums),
                      kvstore=database / f"{a.name}/", context=context, transaction=txn) for a in arrays]
     commits: collections.deque = collections.deque()
     first_error: BaseException | None = None
