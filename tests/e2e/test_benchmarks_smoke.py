@@ -2,7 +2,8 @@
 
 No performance thresholds: it checks that every configuration runs and reports, and that the
 Markdown report (and, with matplotlib installed, the timeline plot) is written. The storage
-benchmark's cache eviction is checked against the kernel's own count of cached pages.
+benchmark's cache eviction is checked against the kernel's own count of cached pages, and its
+split of a persist into phases against a stall injected in one of them.
 """
 
 import json
@@ -120,7 +121,6 @@ def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
     assert "total cost per checkpoint at N=50 against N=10: not resolved" in text
     assert "-490.00x" not in text and "x the one at N=10 (target" in text  # the segment's ratio stays
     assert "checkpoint's segment per checkpoint at N=50 is 0.51x the one at N=10" in text
-
 
 
 def resident_pages(path) -> int:
