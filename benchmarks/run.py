@@ -284,13 +284,15 @@ def worker(spec: dict) -> dict:
             save = bool(omngr.save(t + 1, args=ocp.args.StandardSave(tree_of(state))))
         elif raw_writer is not None and (t + 1) % n == 0:
             save = raw_writer.start(t + 1)
+        dispatched = time.perf_counter()  # the training thread has issued the step
         if sync_every == 1:
             jax.block_until_ready((state.params, state.opt_state, loss))
         elif (t + 1 - s0 - warmup) % sync_every == 0 or t == s0 + warmup + steps - 1:
             float(loss)  # what a loop that logs the loss every few steps waits for
         end = time.perf_counter()
         if t >= s0 + warmup:
-            rows.append({"t": t, "phase": phase, "save": save, "start": start, "end": end, "rss": _rss_now()})
+            rows.append({"t": t, "phase": phase, "save": save, "start": start, "dispatched": dispatched, "end": end,
+                         "rss": _rss_now()})
     if profiling is not None and t < profiling.stop:
         jax.profiler.stop_trace()
     wait_start = time.perf_counter()
@@ -402,7 +404,10 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
             if (r["t"] + 1) % n == 0:
                 groups[r["t"] + 1] = [dt - base_median]
     stalls = [sum(g) for g in groups.values()]
-    res["extra_after_ckpt_s"] = _extra_after(run["steps"], dts, base_median)
+    res["extra_after_ckpt_s"] = _after_checkpoints(run["steps"], dts, base_median)
+    dispatch = [r["dispatched"] - r["start"] for r in run["steps"]]
+    res["dispatch_plain_s"] = _median([d for r, d in zip(run["steps"], dispatch) if not _checkpoint_step(r)])
+    res["dispatch_after_ckpt_s"] = _after_checkpoints(run["steps"], dispatch, 0.0)
     # Committed in the measured span (overlap: persisted windows; Orbax: saves issued).
     # raw_beside: writes done (a write still running at the next checkpoint step is not started).
     res["committed"] = (len(run["persist"]) if cfg.startswith("overlap") or cfg == "raw_beside"
@@ -429,9 +434,10 @@ def analyse(run: dict, base_median: float, base_mean: float) -> dict:
 AFTER_STEPS = 3  # steps after a checkpoint's last step whose extra time the report lists
 
 
-def _extra_after(steps: list[dict], dts: list[float], base_median: float) -> list[float | None]:
-    """Median extra time over the no-checkpoint median of the 1st, 2nd, ... step after each
-    checkpoint's last step (a window's last phase, the step that called save, a raw write).
+def _after_checkpoints(steps: list[dict], values: list[float], base: float) -> list[float | None]:
+    """Median of ``value - base`` over the 1st, 2nd, ... step after each checkpoint's last step
+    (a window's last phase, the step that called save, a raw write): the extra step time over
+    the no-checkpoint median, or the training thread's time to issue the step.
 
     Why: on an H200 and on this CPU most of a checkpoint's cost was in the step after the
     window, not in the window (the host worker's hand-off and the persist starting beside the
@@ -441,7 +447,7 @@ def _extra_after(steps: list[dict], dts: list[float], base_median: float) -> lis
             if _checkpoint_step(r) and (i + 1 == len(steps) or not _checkpoint_step(steps[i + 1]))]
     out = []
     for off in range(1, AFTER_STEPS + 1):
-        extra = [dts[i + off] - base_median for i in ends
+        extra = [values[i + off] - base for i in ends
                  if i + off < len(steps) and not any(_checkpoint_step(steps[j]) for j in range(i + 1, i + off + 1))]
         out.append(_median(extra))
     return out
@@ -571,7 +577,7 @@ def markdown(report: dict) -> str:
              "raw write, replay bandwidth = measured K=3 replay", ""]
     hdr = ["config", "N", "K", "median step ms (x none)", "non-window step ms (x none)",
            "compile s (x none)", "ckpts committed", "stall/ckpt ms: window steps",
-           f"steps after it: +1..+{AFTER_STEPS}", "over the span", "predicted",
+           f"steps after it: +1..+{AFTER_STEPS}", "dispatch ms: other steps / +1", "over the span", "predicted",
            "x Orbax async", "ETTR: measured", "predicted", "x Orbax async", "final wait ms",
            "persist GiB/s (x raw alone)", "restore ms (Orbax/ours)", "peak RSS MiB (extra / state)", "replay GB/s"]
     lines += ["| " + " | ".join(hdr) + " |", "|" + "|".join(["---"] + ["--:"] * (len(hdr) - 1)) + "|"]
@@ -609,6 +615,7 @@ def markdown(report: dict) -> str:
                  "-" if compile_s is None else (f"{compile_s:.1f} ({compile_s / base['compile_s']:.2f}x)"
                                                 if base.get("compile_s") else f"{compile_s:.1f}"),
                  committed, _ms(stall), " / ".join(_ms(x) for x in r.get("extra_after_ckpt_s") or [None]),
+                 f"{_ms(r.get('dispatch_plain_s'))} / {_ms((r.get('dispatch_after_ckpt_s') or [None])[0])}",
                  _ms(r.get("stall_span_per_ckpt_s")), _ms(pred.get("stall_s")), vs_stall,
                  f"{r['ettr']:.3f}", _fmt(pred.get("ettr")), vs_ettr,
                  _ms(r.get("final_wait_s")) if r["config"] != "none" else "-", persist, restore, rss,
@@ -625,7 +632,11 @@ def markdown(report: dict) -> str:
               "steps attributed to a checkpoint (Orbax: the step that calls save; overlap: the K window "
               "steps), mean over the measured checkpoints; the final `wait_until_finished` is reported "
               "separately. Steps after it: the median extra time over the no-checkpoint median of the 1st, "
-              "2nd, ... step after a checkpoint's last step (none of them in the next window). "
+              "2nd, ... step after a checkpoint's last step (none of them in the next window). Dispatch: "
+              "the training thread's time to issue a step (the jitted call, which frees the donated state, "
+              "and the manager's step or save), median over the steps outside checkpoints and over the "
+              "first step after each; on an accelerator, the time the device waits when it exceeds the "
+              "queued work. "
               "ETTR = mean no-checkpoint step time / mean step time. Peak RSS extra = peak RSS "
               "minus the no-checkpoint run's peak RSS, relative to the state bytes. Raw write beside training: "
               "no checkpoint, the state's bytes written to one file and fsync'd by a background thread at every "

@@ -13,10 +13,8 @@ device says how long that compute takes beside the copy (``bench_copy_schedule``
 from __future__ import annotations
 
 import argparse
-import glob
-import gzip
-import json
-import os
+
+from benchmarks.trace_host import load_trace
 
 MIB = 2**20
 
@@ -63,9 +61,7 @@ def main() -> None:
     ap.add_argument("trace_dir")
     ap.add_argument("--gap-ms", type=float, default=5.0, help="idle time that separates two programs")
     args = ap.parse_args()
-    path = glob.glob(os.path.join(args.trace_dir, "**", "*.trace.json.gz"), recursive=True)[0]
-    with gzip.open(path) as f:
-        programs = analyse(json.load(f), args.gap_ms * 1e3)
+    programs = analyse(load_trace(args.trace_dir), args.gap_ms * 1e3)
     print("| program | span ms | kernels | copy | MiB | copy ms (GB/s) | starts at (of the span) | "
           "ends after the program ms | compute during / before / after the copy ms |")
     print("|--:|--:|--:|---|--:|---|--:|--:|---|")

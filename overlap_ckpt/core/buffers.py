@@ -14,6 +14,7 @@ import jax
 import numpy as np
 
 from ..errors import WindowAborted
+from ..gil import yielding
 from ..hostarray import HostArray, HostShard, IndexKey, extent, index_from_key, index_key, normalize_index
 from .packing import Captured, CapturedShard
 from .plan import CapturePlan, LeafLayout
@@ -103,7 +104,7 @@ class HostBuffers:
     def release_views(self) -> int:
         """Drop adopted views (before reuse: the captured arrays may then be freed); returns
         their bytes."""
-        return sum(leaf.release_views() for leaf in self.leaves())
+        return sum(leaf.release_views() for leaf in yielding(self.leaves()))
 
     @property
     def nbytes(self) -> int:

@@ -25,6 +25,7 @@ from typing import Any, Callable, Collection, Protocol
 import optax
 
 from ..errors import CheckpointFailure, ConfigError, InternalError, UnsupportedOptimizerError, WindowAborted, brief
+from ..gil import background
 from .buffers import HostBuffers, trim_host_memory
 from . import backend, packing
 from .capture import Outbox, WindowTicket
@@ -185,7 +186,7 @@ class OverlapEngine:
         # (step, phase, start, end) tuple of time.perf_counter() per received phase.
         self.spans: list | None = None
         self._closed = False
-        self._worker = threading.Thread(target=self._run, name="overlap-ckpt-replay", daemon=True)
+        self._worker = threading.Thread(target=background(self._run), name="overlap-ckpt-replay", daemon=True)
         self._worker.start()
 
     # -- training thread ----------------------------------------------------------------

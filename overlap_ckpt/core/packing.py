@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 from jax.sharding import NamedSharding, PartitionSpec
 
+from ..gil import yielding
 from ..hostarray import HostShard, Index, index_key, normalize_index
 from .slicing import Piece
 
@@ -280,7 +281,7 @@ class Captured:
 def unpack(packed: Sequence[jax.Array], items: Sequence[Item]) -> list[Captured]:
     """The outbox arrays of ``items`` out of their packed host copies (see :func:`pack`)."""
     out: list[Captured | None] = [None] * len(items)
-    for (_, members), array in zip(groups(items), packed, strict=True):
+    for (_, members), array in yielding(zip(groups(items), packed, strict=True)):
         parts = [(s.device, np.asarray(s.data).reshape(-1)) for s in array.addressable_shards]  # lead axes: to_host
         offsets = np.cumsum([0] + [items[n].local_size for n in members])
         for n, start, stop in zip(members, offsets[:-1], offsets[1:]):

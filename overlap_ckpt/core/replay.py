@@ -38,6 +38,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from ..errors import WindowAborted
+from ..gil import yielding
 from ..hostarray import HostShard, index_key, normalize_index
 from . import backend, scalars
 from .capture import Outbox
@@ -115,7 +116,7 @@ class WindowReplay:
             ("params", p), *(("state", plan.state_piece(j, p)) for j in plan.analysis.owned_state(p.leaf)))]
         if plan.chunked and not last:
             self._captured = {"params": {}, "state": {}}
-        for i, (kind, piece) in enumerate(targets):
+        for i, (kind, piece) in yielding(enumerate(targets)):
             if plan.chunked and not last:
                 _add_parts(self._captured[kind], getattr(plan, kind)[piece.leaf], piece, captured[i])
             else:
@@ -269,15 +270,15 @@ class WindowReplay:
         plan = self.plan
         replayed = self._replayed_rows()
         return (jax.tree.unflatten(plan.params_def, [host_array(b, replayed.get(("params", k), []))
-                                                     for k, b in enumerate(self.buffers.params)]),
+                                                     for k, b in yielding(enumerate(self.buffers.params))]),
                 jax.tree.unflatten(plan.state_def, [host_array(b, replayed.get(("state", j), []))
-                                                    for j, b in enumerate(self.buffers.state)]),
+                                                    for j, b in yielding(enumerate(self.buffers.state))]),
                 jax.tree.unflatten(plan.extras_def, [host_array(b) for b in self.buffers.extras]))
 
     def _replayed_rows(self) -> dict[tuple[str, int], list[HostShard]]:
         """Chunked plans: the rows each replay call keeps, as views of its outputs, by leaf."""
         rows: dict[tuple[str, int], list[HostShard]] = {}
-        for call, outs in self.buffers.calls.items():
+        for call, outs in yielding(self.buffers.calls.items()):
             batch = self.programs.slice_batches(call[0])[call[1]]
             for (kind, layout, chunk), value in zip(self.programs.call_leaves(batch), outs):
                 rows.setdefault((kind, chunk.rows.leaf), []).extend(_kept(layout, chunk, value))

@@ -17,6 +17,7 @@ from typing import Any, Sequence
 import jax
 import numpy as np
 
+from ..gil import yielding
 from ..hostarray import HostArray, HostShard, extent, normalize_index
 
 KEY_SEQUENCE = 1
@@ -108,7 +109,7 @@ def to_leaves(tree: Any) -> list[Leaf]:
     Raises ``TypeError`` naming the leaf path for values that cannot be checkpointed.
     """
     leaves = []
-    for keypath, value in flatten(tree):
+    for keypath, value in yielding(flatten(tree)):
         pairs = [key_name_and_type(k) for k in keypath]
         keys = tuple(p[0] for p in pairs)
         types = tuple(p[1] for p in pairs)

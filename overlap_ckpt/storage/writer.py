@@ -28,6 +28,7 @@ from typing import Any, Callable, Sequence
 import numpy as np
 import tensorstore as ts
 
+from ..gil import yielding
 from ..hostarray import HostArray
 from . import hooks, layout
 from .location import Location
@@ -57,7 +58,7 @@ def prepare_arrays(leaves: Sequence[Leaf], chunk_bytes: int, *, checksums: bool 
     Raises ``ValueError``/``TypeError`` naming the offending leaf; runs in the caller's thread
     so that a bad tree fails at ``save`` time, not in the background."""
     arrays, names, labels = [], set(), set()
-    for leaf in leaves:
+    for leaf in yielding(leaves):
         label = str(leaf.keys)
         if label in labels:
             raise ValueError(f"Two leaves of the tree have the same key path {leaf.keys}.")

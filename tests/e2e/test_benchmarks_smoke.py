@@ -1,7 +1,8 @@
 """Smoke test of the side-by-side benchmark (``python -m benchmarks.run``) at tiny size.
 
 No performance thresholds: it checks that every configuration runs and reports, and that the
-Markdown report (and, with matplotlib installed, the timeline plot) is written. The storage
+Markdown report (and, with matplotlib installed, the timeline plot) is written, and that
+``benchmarks.trace_host`` reads the profiler traces it writes. The storage
 benchmark's cache eviction is checked against the kernel's own count of cached pages, and its
 split of a persist into phases against a stall injected in one of them.
 """
@@ -15,6 +16,7 @@ import pytest
 
 from conftest import REPO
 
+from benchmarks import trace_host
 from benchmarks.run import DEFAULT_CONFIGS
 
 
@@ -50,6 +52,11 @@ def test_benchmark_run_tiny(tmp_path):
     traces = (tmp_path / "prof").glob("*/plugins/profile/*/*.trace.json.gz")
     traced = {trace.relative_to(tmp_path / "prof").parts[0] for trace in traces}
     assert traced == {f"{c}_N8" for c in DEFAULT_CONFIGS if c.startswith("overlap") and c != "overlap_idle"}, traced
+    # benchmarks.trace_host reads them: each traced step (the K=3 window and the 3 after it),
+    # each followed by the freeing of the state it was given (donated: the same arrays each step)
+    rows = trace_host.analyse(trace_host.load_trace(str(tmp_path / "prof" / "overlap_k3_N8")))
+    assert len(rows) == 3 + 3, rows
+    assert len({r["freed"] for r in rows}) == 1 and rows[0]["freed"] > 0, rows
     k = {x["config"]: x.get("k") for x in report["results"]}
     assert k["overlap_k1"] == 1 and k["overlap_k3"] == 3 and k["overlap_auto"] == 1  # auto: 1 on CPU
     assert len(report["targets"]) == 6 + len(report["intervals"])  # one ETTR target per interval
@@ -57,7 +64,8 @@ def test_benchmark_run_tiny(tmp_path):
     for label in ("no checkpointing", "Orbax sync", "Orbax async", "overlap, no window reached", "overlap K=1",
                   "overlap auto-K", "overlap K=3", "non-window step", "compile", "persist beside training",
                   "restore >= 2x Orbax", "ETTR >= Orbax async's at N=8", "raw write beside training",
-                  "of a raw fsync'd write beside the same training", "steps after it: +1..+3"):
+                  "of a raw fsync'd write beside the same training", "steps after it: +1..+3",
+                  "dispatch ms: other steps / +1"):
         assert label in md, label
     try:
         import matplotlib  # noqa: F401

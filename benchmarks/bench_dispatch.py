@@ -1,0 +1,146 @@
+"""How long the training thread takes to issue the step after a checkpoint, beside Orbax async.
+
+    python -m benchmarks.bench_dispatch [--layers 200] [--rounds 2] [--out PREFIX]
+
+A model of many small leaves (``--layers`` Dense 128x128 layers, adamw: 3 arrays per
+parameter), so that a step costs the CPU little and the training thread's own time shows:
+the jitted call, the freeing of the state it donated, and the checkpointer's per-step call.
+Each configuration (no checkpointing, Orbax async, overlap_ckpt K=1 and K=3) runs in a fresh
+process, a checkpoint every ``--interval`` steps, one sync per step and a pause after it that
+stands for the device's time (the background threads run then, as beside an accelerator).
+Why: jaxlib releases the GIL around freeing each array, so a background thread running Python
+while the training thread frees its donated state makes it wait up to CPython's switch
+interval (5 ms) per array (``overlap_ckpt/gil.py``); on an H200 that was most of a
+checkpoint's cost (``results/gpu_h200_100m_profile.md``). Reported: the median time to issue
+the steps outside checkpoints, and the median and worst time to issue the first step after
+each checkpoint, each as a multiple of the no-checkpoint run's median.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
+LABELS = {"none": "no checkpointing", "orbax_async": "Orbax async", "overlap_k1": "overlap K=1",
+          "overlap_k3": "overlap K=3"}
+
+
+def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_s: float) -> dict:
+    """Issue ``interval * (checkpoints + 1)`` steps; the first interval is warm-up."""
+    import jax
+    import jax.numpy as jnp
+    import optax
+    import orbax.checkpoint as ocp
+
+    import overlap_ckpt as oc
+
+    params = {f"l{i}": {"w": jnp.full((128, 128), 0.01, jnp.float32), "b": jnp.zeros((128,), jnp.float32)}
+              for i in range(layers)}
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def train_step(state, x):
+        def loss_fn(p):
+            h = x
+            for i in range(layers):
+                h = jnp.tanh(h @ p[f"l{i}"]["w"] + p[f"l{i}"]["b"])
+            return jnp.mean(h ** 2)
+        return state.apply_gradients(grads=jax.grad(loss_fn)(state.params))
+
+    x = jnp.ones((8, 128))
+    state = oc.TrainState.create(apply_fn=None, params=params, tx=optax.adamw(1e-3))
+    directory = tempfile.mkdtemp(prefix="bench_dispatch_")
+    mngr = omngr = None
+    if config.startswith("overlap"):
+        mngr = oc.CheckpointManager(directory, save_interval_steps=interval, max_to_keep=2,
+                                    window=int(config[-1]))
+        state = mngr.prepare(state)
+        mngr.compile_ahead(train_step, state, x)
+    elif config == "orbax_async":
+        omngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+            save_interval_steps=interval, max_to_keep=2, enable_async_checkpointing=True))
+    rows = []
+    for t in range(interval * (checkpoints + 1)):
+        phase = mngr.next_window_phase if mngr is not None else None
+        start = time.perf_counter()
+        state = train_step(state, x)  # frees the donated state
+        saved = False
+        if mngr is not None:
+            state = mngr.step(state)
+        elif omngr is not None and (t + 1) % interval == 0:
+            saved = bool(omngr.save(t + 1, args=ocp.args.StandardSave(
+                {"step": state.step, "params": state.params, "opt_state": state.opt_state})))
+        issued = time.perf_counter() - start
+        jax.block_until_ready(state)
+        time.sleep(pause_s)
+        rows.append({"t": t, "checkpoint": phase is not None or saved, "issue_s": issued})
+    if mngr is not None:
+        mngr.close()
+    if omngr is not None:
+        omngr.close()
+    rows = rows[interval:]
+    after = [rows[i + 1]["issue_s"] for i in range(len(rows) - 1)
+             if rows[i]["checkpoint"] and not rows[i + 1]["checkpoint"]]
+    others = [r["issue_s"] for i, r in enumerate(rows)
+              if not r["checkpoint"] and not (i and rows[i - 1]["checkpoint"])]
+    return {"config": config, "leaves": len(jax.tree.leaves(state)), "after_s": after, "others_s": others}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", type=int, default=200)
+    ap.add_argument("--interval", type=int, default=8)
+    ap.add_argument("--checkpoints", type=int, default=10, help="measured checkpoints per run")
+    ap.add_argument("--pause-ms", type=float, default=20.0, help="after each step: the device's time")
+    ap.add_argument("--rounds", type=int, default=2, help="each configuration this many times, interleaved")
+    ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
+    ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
+    args = ap.parse_args()
+    if args.worker:
+        print(json.dumps(run_config(args.worker, args.layers, args.interval, args.checkpoints, args.pause_ms / 1e3)))
+        return
+    runs = []
+    for _ in range(args.rounds):
+        for config in CONFIGS:
+            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dispatch", "--worker", config,
+                                  "--layers", str(args.layers), "--interval", str(args.interval),
+                                  "--checkpoints", str(args.checkpoints), "--pause-ms", str(args.pause_ms)],
+                                 capture_output=True, text=True, check=True, env=dict(os.environ))
+            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            print(f"{config}: done", file=sys.stderr)
+    lines = [f"# Issuing the step after a checkpoint: {runs[0]['leaves']} state arrays", "",
+             f"{args.interval} steps per checkpoint, {args.checkpoints} measured checkpoints per run, "
+             f"{args.rounds} runs per configuration (interleaved), {args.pause_ms:g} ms pause after each step.", "",
+             "| config | other steps: median ms (x no checkpointing) | the step after a checkpoint: median ms "
+             "(x no checkpointing) | its worst ms |",
+             "|---|--:|--:|--:|"]
+    plain = statistics.median(x for r in runs if r["config"] == "none" for x in r["others_s"])
+    for config in CONFIGS:
+        mine = [r for r in runs if r["config"] == config]
+        others = statistics.median(x for r in mine for x in r["others_s"])
+        after = [x for r in mine for x in r["after_s"]]
+        cells = [LABELS[config], f"{others * 1e3:.2f} ({others / plain:.2f}x)"]
+        if after:
+            cells += [f"{statistics.median(after) * 1e3:.2f} ({statistics.median(after) / plain:.2f}x)",
+                      f"{max(after) * 1e3:.1f}"]
+        else:
+            cells += ["-", "-"]
+        lines.append("| " + " | ".join(cells) + " |")
+    report = "\n".join(lines) + "\n"
+    print(report)
+    if args.out:
+        with open(args.out + ".json", "w") as f:
+            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
+        with open(args.out + ".md", "w") as f:
+            f.write(report)
+
+
+if __name__ == "__main__":
+    main()
