@@ -1,4 +1,4 @@
-"""Our background threads give the GIL to the training thread between leaves.
+"""Our host worker gives the GIL to the training thread between leaves.
 
 Why: every step, the training thread frees the arrays of the state it donated, one at a
 time, and jaxlib releases the GIL around freeing each one. If a thread of ours is running
@@ -12,8 +12,9 @@ for it takes it, and frees many arrays while the worker's sleep call returns. Th
 the worker 80-90 us on this project's VMs (a timer syscall): a few tenths of a second of its
 time per window of 600 leaves, none of the training thread's. Yielding only once 0.2 ms had
 passed did no better in ``benchmarks.bench_dispatch``, and ``os.sched_yield`` (1 us) handed
-the GIL over less reliably in our probes. The writer thread does not yield: its yields slowed the persist (155 -> 340 ms on
-600 leaves) and did not shorten the training thread's steps.
+the GIL over less reliably in our probes. The writer thread does not yield: its yields
+slowed the persist (155 -> 340 ms on 600 leaves) and did not shorten the training thread's
+steps.
 
 Only threads marked with :func:`background` yield: on the training thread (a user's
 ``save()`` prepares its tree there) a yield would hand the GIL to our threads instead.
