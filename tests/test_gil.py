@@ -15,10 +15,11 @@ from overlap_ckpt import gil
 
 @pytest.fixture
 def no_forced_switch():
-    """A switch interval far longer than the test: the training thread gets the GIL only
-    when the thread holding it gives it up, as it would 5 ms later in normal operation."""
+    """A switch interval far longer than the background loop (200 items of ~0.3 ms): the
+    training thread gets the GIL only when the thread holding it gives it up, as it would
+    5 ms later in normal operation."""
     old = sys.getswitchinterval()
-    sys.setswitchinterval(30.0)
+    sys.setswitchinterval(2.0)
     yield
     sys.setswitchinterval(old)
 
