@@ -33,13 +33,14 @@ import tempfile
 import time
 
 CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
+WARMUP_INTERVALS = 2  # not measured (see run_config)
 LABELS = {"none": "no checkpointing", "orbax_async": "Orbax async", "overlap_k1": "overlap K=1",
           "overlap_k3": "overlap K=3"}
 
 
 def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_s: float) -> dict:
-    """Issue ``interval * (checkpoints + 2)`` steps; the first two intervals are warm-up: with
-    one, the step after the first measured checkpoint took 225 ms against 7-21 ms after later
+    """Issue ``interval * (checkpoints + WARMUP_INTERVALS)`` steps; the first intervals are
+    warm-up: with one, the step after the first measured checkpoint took 225 ms against 7-21 ms after later
     ones (K=3), a cost of the run's start (its first persist was still running)."""
     import jax
     import jax.numpy as jnp
@@ -73,7 +74,7 @@ def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_
         omngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             save_interval_steps=interval, max_to_keep=2, enable_async_checkpointing=True))
     rows = []
-    for t in range(interval * (checkpoints + 2)):
+    for t in range(interval * (checkpoints + WARMUP_INTERVALS)):
         phase = mngr.next_window_phase if mngr is not None else None
         start = time.perf_counter()
         state = train_step(state, x)  # frees the donated state
@@ -91,7 +92,7 @@ def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_
         mngr.close()
     if omngr is not None:
         omngr.close()
-    rows = rows[2 * interval:]
+    rows = rows[WARMUP_INTERVALS * interval:]
     after = [rows[i + 1]["issue_s"] for i in range(len(rows) - 1)
              if rows[i]["checkpoint"] and not rows[i + 1]["checkpoint"]]
     others = [r["issue_s"] for i, r in enumerate(rows)
