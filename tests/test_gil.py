@@ -32,6 +32,14 @@ def test_a_waiting_thread_gets_the_gil_between_items_of_a_background_loop(no_for
     events: list[str] = []
     started = threading.Event()
 
+    def training_step():
+        _ = jnp.zeros(()) + 1  # jax releases the GIL, as when freeing a donated array
+
+    # Compiled (and the backend started) before the race: a first call compiles with the GIL
+    # released, on a loaded host for longer than the whole background loop, which then ends
+    # unopposed. A probe under load reproduced CI's failure (1 of 20 steps) only that way.
+    training_step()
+
     @gil.background
     def worker():
         for i in gil.yielding(range(200)):
@@ -45,7 +53,7 @@ def test_a_waiting_thread_gets_the_gil_between_items_of_a_background_loop(no_for
     started.wait()  # gives the GIL up; taking it back waits for the worker to yield
     for _ in range(20):
         events.append("training")
-        _ = jnp.zeros(()) + 1  # jax releases the GIL, as when freeing a donated array
+        training_step()
     thread.join()
     last_worker = len(events) - 1 - events[::-1].index("worker")
     assert events[:last_worker].count("training") == 20, (
