@@ -1,6 +1,6 @@
 """How long the training thread takes to issue the step after a checkpoint, beside Orbax async.
 
-    python -m benchmarks.bench_dispatch [--layers 200] [--rounds 2] [--out PREFIX]
+    python -m benchmarks.bench_dispatch [--layers 200] [--rounds 2] [--gc-freeze] [--out PREFIX]
 
 A model of many small leaves (``--layers`` Dense 128x128 layers, adamw: 3 arrays per
 parameter), so that a step costs the CPU little and the training thread's own time shows:
@@ -17,19 +17,27 @@ each checkpoint, each as a multiple of the no-checkpoint run's median; then the 
 every step, checkpoints' own steps included, and the worst step outside checkpoints. Why
 those two: a medians-only table hides the waits that come once per checkpoint (Orbax's
 ``save`` waiting for the previous one, a window waiting for host memory, logged by
-``overlap_ckpt.host_budget``).
+``overlap_ckpt.host_budget``). Last, the full (generation 2) garbage collections in the
+measured span, on any thread: each holds the GIL, so the training thread waits that long if it
+needs the GIL meanwhile. ``--gc-freeze`` moves every object alive after the warm-up out of the
+collector's reach (``gc.collect(); gc.freeze()``, in every configuration at the same step), as
+``docs/choosing_k.md`` suggests: the compiled window variants' traces are then not scanned again.
+The last column counts the objects the collector tracks at the end of the measured span, and
+those a full collection would walk (not frozen).
 """
 
 from __future__ import annotations
 
 import argparse
 import functools
+import gc
 import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 
 CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
@@ -38,7 +46,33 @@ LABELS = {"none": "no checkpointing", "orbax_async": "Orbax async", "overlap_k1"
           "overlap_k3": "overlap K=3"}
 
 
-def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_s: float) -> dict:
+class FullCollections:
+    """The pauses of full (generation 2) garbage collections on any thread, inside the
+    ``with`` block once ``counting`` is set."""
+
+    def __init__(self):
+        self.pauses_s: list[float] = []
+        self._started: dict[int, float] = {}
+        self.counting = False
+
+    def __enter__(self) -> FullCollections:
+        gc.callbacks.append(self._callback)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        gc.callbacks.remove(self._callback)
+
+    def _callback(self, phase: str, info: dict) -> None:
+        if info["generation"] != 2 or not self.counting:
+            return
+        if phase == "start":
+            self._started[threading.get_ident()] = time.perf_counter()
+        elif (start := self._started.pop(threading.get_ident(), None)) is not None:
+            self.pauses_s.append(time.perf_counter() - start)
+
+
+def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_s: float,
+               gc_freeze: bool = False) -> dict:
     """Issue ``interval * (checkpoints + WARMUP_INTERVALS)`` steps; the first intervals are
     warm-up: with one, the step after the first measured checkpoint took 225 ms against 7-21 ms after later
     ones (K=3), a cost of the run's start (its first persist was still running)."""
@@ -74,20 +108,31 @@ def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_
         omngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
             save_interval_steps=interval, max_to_keep=2, enable_async_checkpointing=True))
     rows = []
-    for t in range(interval * (checkpoints + WARMUP_INTERVALS)):
-        phase = mngr.next_window_phase if mngr is not None else None
-        start = time.perf_counter()
-        state = train_step(state, x)  # frees the donated state
-        saved = False
-        if mngr is not None:
-            state = mngr.step(state)
-        elif omngr is not None and (t + 1) % interval == 0:
-            saved = bool(omngr.save(t + 1, args=ocp.args.StandardSave(
-                {"step": state.step, "params": state.params, "opt_state": state.opt_state})))
-        issued = time.perf_counter() - start
-        jax.block_until_ready(state)
-        time.sleep(pause_s)
-        rows.append({"t": t, "checkpoint": phase is not None or saved, "issue_s": issued})
+    freeze_collect_s = None
+    with FullCollections() as full_gcs:
+        for t in range(interval * (checkpoints + WARMUP_INTERVALS)):
+            if t == interval * WARMUP_INTERVALS:
+                if gc_freeze:  # once, where the user would: timed apart
+                    collect_start = time.perf_counter()
+                    gc.collect()
+                    gc.freeze()
+                    freeze_collect_s = time.perf_counter() - collect_start
+                full_gcs.counting = True
+            phase = mngr.next_window_phase if mngr is not None else None
+            start = time.perf_counter()
+            state = train_step(state, x)  # frees the donated state
+            saved = False
+            if mngr is not None:
+                state = mngr.step(state)
+            elif omngr is not None and (t + 1) % interval == 0:
+                saved = bool(omngr.save(t + 1, args=ocp.args.StandardSave(
+                    {"step": state.step, "params": state.params, "opt_state": state.opt_state})))
+            issued = time.perf_counter() - start
+            jax.block_until_ready(state)
+            time.sleep(pause_s)
+            rows.append({"t": t, "checkpoint": phase is not None or saved, "issue_s": issued})
+    gc.collect()
+    scanned = len(gc.get_objects())  # what a full collection walks: the frozen ones are not listed
     if mngr is not None:
         mngr.close()
     if omngr is not None:
@@ -98,7 +143,9 @@ def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_
     others = [r["issue_s"] for i, r in enumerate(rows)
               if not r["checkpoint"] and not (i and rows[i - 1]["checkpoint"])]
     return {"config": config, "leaves": len(jax.tree.leaves(state)), "after_s": after, "others_s": others,
-            "all_s": [r["issue_s"] for r in rows]}
+            "all_s": [r["issue_s"] for r in rows], "full_gc_s": full_gcs.pauses_s,
+            "freeze_collect_s": freeze_collect_s, "objects": scanned + gc.get_freeze_count(),
+            "objects_scanned": scanned}
 
 
 def main() -> None:
@@ -108,28 +155,36 @@ def main() -> None:
     ap.add_argument("--checkpoints", type=int, default=10, help="measured checkpoints per run")
     ap.add_argument("--pause-ms", type=float, default=20.0, help="after each step: the device's time")
     ap.add_argument("--rounds", type=int, default=2, help="each configuration this many times, interleaved")
+    ap.add_argument("--gc-freeze", action="store_true", help="gc.freeze() after the warm-up, in every config")
     ap.add_argument("--out", default=None, help="write <out>.json and <out>.md")
     ap.add_argument("--worker", default=None, help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.worker:
-        print(json.dumps(run_config(args.worker, args.layers, args.interval, args.checkpoints, args.pause_ms / 1e3)))
+        print(json.dumps(run_config(args.worker, args.layers, args.interval, args.checkpoints, args.pause_ms / 1e3,
+                                    args.gc_freeze)))
         return
     runs = []
     for _ in range(args.rounds):
         for config in CONFIGS:
             out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dispatch", "--worker", config,
                                   "--layers", str(args.layers), "--interval", str(args.interval),
-                                  "--checkpoints", str(args.checkpoints), "--pause-ms", str(args.pause_ms)],
+                                  "--checkpoints", str(args.checkpoints), "--pause-ms", str(args.pause_ms)]
+                                 + ["--gc-freeze"] * args.gc_freeze,
                                  capture_output=True, text=True, check=True, env=dict(os.environ))
             runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
             print(f"{config}: done", file=sys.stderr)
     lines = [f"# Issuing the step after a checkpoint: {runs[0]['leaves']} state arrays", "",
              f"{args.interval} steps per checkpoint, {args.checkpoints} measured checkpoints per run, "
-             f"{args.rounds} runs per configuration (interleaved), {args.pause_ms:g} ms pause after each step.", "",
+             f"{args.rounds} runs per configuration (interleaved), {args.pause_ms:g} ms pause after each step"
+             + (", gc.freeze() after the warm-up (the gc.collect() before it took "
+                f"{min(r['freeze_collect_s'] for r in runs) * 1e3:.0f}-"
+                f"{max(r['freeze_collect_s'] for r in runs) * 1e3:.0f} ms, once per run; not counted below)."
+                if args.gc_freeze else "."), "",
              "| config | other steps: median ms (x no checkpointing) | the step after a checkpoint: median ms "
              "(x no checkpointing) | its worst ms | every step, checkpoints' included: mean ms (x no checkpointing) "
-             "| worst other step ms |",
-             "|---|--:|--:|--:|--:|--:|"]
+             "| worst other step ms | full GCs per run | their ms per run | the longest ms "
+             "| objects at the end (thousands): all / not frozen |",
+             "|---|--:|--:|--:|--:|--:|--:|--:|--:|--:|"]
     plain = statistics.median(x for r in runs if r["config"] == "none" for x in r["others_s"])
     for config in CONFIGS:
         mine = [r for r in runs if r["config"] == config]
@@ -144,6 +199,11 @@ def main() -> None:
         mean_all = statistics.mean(x for r in mine for x in r["all_s"])
         cells += [f"{mean_all * 1e3:.2f} ({mean_all / plain:.2f}x)",
                   f"{max(x for r in mine for x in r['others_s']) * 1e3:.1f}"]
+        pauses = [x for r in mine for x in r["full_gc_s"]]
+        cells += [f"{len(pauses) / len(mine):.1f}", f"{sum(pauses) / len(mine) * 1e3:.0f}",
+                  f"{max(pauses, default=0) * 1e3:.1f}",
+                  f"{statistics.mean(r['objects'] for r in mine) / 1e3:.0f} / "
+                  f"{statistics.mean(r['objects_scanned'] for r in mine) / 1e3:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
     report = "\n".join(lines) + "\n"
     print(report)

@@ -4,19 +4,23 @@ No performance thresholds: it checks that every configuration runs and reports, 
 Markdown report (and, with matplotlib installed, the timeline plot) is written, and that
 ``benchmarks.trace_host`` reads the profiler traces it writes. The storage
 benchmark's cache eviction is checked against the kernel's own count of cached pages, and its
-split of a persist into phases against a stall injected in one of them.
+split of a persist into phases against a stall injected in one of them, and the dispatch
+benchmark's count of full garbage collections against collections run on purpose.
 """
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
 from conftest import REPO
 
 from benchmarks import trace_host
+from benchmarks.bench_dispatch import FullCollections
 from benchmarks.run import DEFAULT_CONFIGS
 
 
@@ -202,3 +206,16 @@ def test_persist_phases_attribute_time_to_the_stage_it_was_spent_in(tmp_path):
     assert list(phases) == list(PHASES) and all(v >= 0 for v in phases.values()), phases
     assert phases["data"] >= 0.3 and max(phases["queue"], phases["setup"], phases["tail"]) < 0.3, phases
     assert sum(phases.values()) <= elapsed
+
+
+def test_dispatch_counts_the_full_collections_of_every_thread_once_started():
+    with FullCollections() as full:
+        gc.collect()  # before counting starts
+        full.counting = True
+        gc.collect(1)  # a young collection
+        thread = threading.Thread(target=gc.collect)  # a full one, on another thread
+        thread.start()
+        thread.join()
+        gc.collect()
+    gc.collect()  # after the block
+    assert len(full.pauses_s) == 2 and all(p > 0 for p in full.pauses_s)
