@@ -209,13 +209,17 @@ def test_persist_phases_attribute_time_to_the_stage_it_was_spent_in(tmp_path):
 
 
 def test_dispatch_counts_the_full_collections_of_every_thread_once_started():
-    with FullCollections() as full:
-        gc.collect()  # before counting starts
-        full.counting = True
-        gc.collect(1)  # a young collection
-        thread = threading.Thread(target=gc.collect)  # a full one, on another thread
-        thread.start()
-        thread.join()
-        gc.collect()
-    gc.collect()  # after the block
+    gc.disable()  # only the collections run here: none triggered by allocation meanwhile
+    try:
+        with FullCollections() as full:
+            gc.collect()  # before counting starts
+            full.counting = True
+            gc.collect(1)  # a young collection
+            thread = threading.Thread(target=gc.collect)  # a full one, on another thread
+            thread.start()
+            thread.join()
+            gc.collect()
+        gc.collect()  # after the block
+    finally:
+        gc.enable()
     assert len(full.pauses_s) == 2 and all(p > 0 for p in full.pauses_s)
