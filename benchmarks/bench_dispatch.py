@@ -37,7 +37,6 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import threading
 import time
 
 CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
@@ -52,7 +51,7 @@ class FullCollections:
 
     def __init__(self):
         self.pauses_s: list[float] = []
-        self._started: dict[int, float] = {}
+        self._started: float | None = None  # one collection at a time: CPython's runs with the GIL held
         self.counting = False
 
     def __enter__(self) -> FullCollections:
@@ -66,9 +65,10 @@ class FullCollections:
         if info["generation"] != 2 or not self.counting:
             return
         if phase == "start":
-            self._started[threading.get_ident()] = time.perf_counter()
-        elif (start := self._started.pop(threading.get_ident(), None)) is not None:
-            self.pauses_s.append(time.perf_counter() - start)
+            self._started = time.perf_counter()
+        elif self._started is not None:
+            self.pauses_s.append(time.perf_counter() - self._started)
+            self._started = None
 
 
 def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_s: float,
