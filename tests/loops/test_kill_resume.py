@@ -19,8 +19,9 @@ the directory reads the same with stock Orbax (a process without overlap_ckpt:
 checkpoint of that step. The app-layout style's own restore code (stock Orbax with its
 abstract tree) reads the same arrays too.
 
-The styles' chains run two at a time (the machine has 2 cores); only the styles selected
-for this session are run.
+The styles' chains run two at a time (the machine has 2 cores): a test starts its own
+style's chain and the one of the test its process runs next. So a process runs only the
+styles of its own tests: under pytest-xdist, each worker runs its share of the styles.
 """
 
 from __future__ import annotations
@@ -32,7 +33,7 @@ import signal
 import subprocess
 import sys
 import time
-from concurrent.futures import ThreadPoolExecutor
+from concurrent.futures import Future, ThreadPoolExecutor
 
 import numpy as np
 import pytest
@@ -108,22 +109,34 @@ def _chain(style: str, base: str) -> dict:
     return out
 
 
-def _selected_styles(request) -> list[str]:
-    chosen = []
-    for item in request.session.items:
-        style = getattr(getattr(item, "callspec", None), "params", {}).get("style")
-        if getattr(item, "module", None) is request.module and style and style not in chosen:
-            chosen.append(style)
-    return chosen or STYLES
+class Chains:
+    """Each style's chain, started once (two at a time) when a test asks for it."""
+
+    def __init__(self, base: str):
+        self._base = base
+        self._pool = ThreadPoolExecutor(PARALLEL)
+        self._started: dict[str, Future] = {}
+
+    def start(self, style: str) -> Future:
+        if style not in self._started:
+            self._started[style] = self._pool.submit(_chain, style, os.path.join(self._base, style))
+        return self._started[style]
+
+    def close(self) -> None:
+        self._pool.shutdown(wait=True, cancel_futures=True)
 
 
 @pytest.fixture(scope="module")
-def chains(request, tmp_path_factory):
-    base = tmp_path_factory.mktemp("loops")
-    pool = ThreadPoolExecutor(PARALLEL)
-    futures = {s: pool.submit(_chain, s, str(base / s)) for s in _selected_styles(request)}
-    yield futures
-    pool.shutdown(wait=True, cancel_futures=True)
+def chains(tmp_path_factory):
+    runner = Chains(str(tmp_path_factory.mktemp("loops")))
+    yield runner
+    runner.close()
+
+
+def _start_next(chains: Chains, following, module) -> None:
+    """Start the chain of the test this process runs next, if it is one of this module's."""
+    if following is not None and getattr(following, "module", None) is module:
+        chains.start(following.callspec.params["style"])
 
 
 def _flat(tree) -> dict[tuple, np.ndarray]:
@@ -169,8 +182,10 @@ def _losses(run: dict) -> dict[int, int]:
 
 
 @pytest.mark.parametrize("style", STYLES)
-def test_sigkill_mid_window_then_resume(chains, style):
-    r = chains[style].result()
+def test_sigkill_mid_window_then_resume(chains, style, next_item, request):
+    mine = chains.start(style)
+    _start_next(chains, next_item, request.module)
+    r = mine.result()
     print(f"{style}: {r['seconds']:.1f}s " + ", ".join(
         f"{k} {r[k]['seconds']:.1f}s" for k in ("reference", "killed", "resumed", "orbax") if k in r))
 
