@@ -209,6 +209,7 @@ def test_persist_phases_attribute_time_to_the_stage_it_was_spent_in(tmp_path):
 
 
 def test_dispatch_counts_the_full_collections_of_every_thread_once_started():
+    was_enabled = gc.isenabled()
     gc.disable()  # only the collections run here: none triggered by allocation meanwhile
     try:
         with FullCollections() as full:
@@ -221,5 +222,6 @@ def test_dispatch_counts_the_full_collections_of_every_thread_once_started():
             gc.collect()
         gc.collect()  # after the block
     finally:
-        gc.enable()
+        if was_enabled:
+            gc.enable()
     assert len(full.pauses_s) == 2 and all(p > 0 for p in full.pauses_s)
