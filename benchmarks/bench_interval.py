@@ -16,6 +16,9 @@ Here each strategy is one loop (one state, one jitted step, one checkpointer), f
 ``n`` in ``--intervals``:
 
 * ``overlap N=n``: ``overlap_ckpt.CheckpointManager(window=--window)``, ``mngr.step`` every step;
+* ``overlap, no checksums N=n`` (``--checksums both|off``): the same with
+  ``CheckpointStore(checksums=False)``, whose chunks carry no crc32c, as Orbax's data chunks
+  carry none (it checksums only the shard index): the two then do the same integrity work;
 * ``orbax async N=n``: ``ocp.CheckpointManager`` (async), ``save`` when ``(t+1) % n == 0``;
 
 and its blocks of ``--block`` steps (a multiple of every ``n``) alternate between
@@ -35,14 +38,17 @@ with training), the process's CPU seconds and minor page faults per checkpoint (
 move with the machine's load, where wall time does), and the same from the loss-fetch
 segments: what the segments holding a checkpoint add to the off block's median segment, and
 what all other segments add (``per_ckpt_segments``; at N=50 the whole-block difference is
-dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). The loop fetches
-its loss every ``--sync-every`` steps (1: every step, as ``benchmarks.run``; 5, as most real
-loops do).
+dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). Against Orbax,
+each overlap loop is also compared round by round (``orbax_minus_this_by_round_s``): the
+loops of one round run within minutes of each other, so the drift between rounds cancels.
+The loop fetches its loss every ``--sync-every`` steps (1: every step, as
+``benchmarks.run``; 5, as most real loops do).
 """
 
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import resource
 import shutil
@@ -63,9 +69,19 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--window", default="1", help="overlap K: an integer or 'auto'")
     ap.add_argument("--rounds", type=int, default=4)
     ap.add_argument("--sync-every", type=int, default=5)
+    ap.add_argument("--checksums", default="on", choices=("on", "off", "both"),
+                    help="overlap loops whose chunks carry a crc32c (on: the default store), none, or one of each")
     ap.add_argument("--no-orbax", action="store_true", help="leave out the Orbax async loops")
     ap.add_argument("--out", default=None, help="output prefix: <out>.json and <out>.md")
+    ap.add_argument("--summarize", metavar="JSON", default=None,
+                    help="run nothing: recompute the summary and table of an earlier run's JSON (to --out)")
     args = ap.parse_args(argv)
+    if args.summarize:
+        with open(args.summarize) as f:
+            report = json.load(f)
+        report["summary"] = summarize(report)
+        publish(report, markdown(report), args.out)
+        return report
     block = args.block or max(args.intervals)
     if any(block % n for n in args.intervals):
         ap.error(f"--block {block} must be a multiple of every interval {args.intervals}")
@@ -95,10 +111,15 @@ def main(argv: list[str] | None = None) -> dict:
     root = tempfile.mkdtemp(prefix="bench_interval_")
 
     def make_loops(n: int) -> dict[str, dict]:
-        mngr = oc.CheckpointManager(os.path.join(root, f"overlap_{n}"), save_interval_steps=n, window=window)
-        state = mngr.prepare(fresh())
-        mngr.compile_ahead(train_step, state, batches[0])
-        loops = {f"overlap N={n}": {"state": state, "n": n, "mngr": mngr, "t": start_step}}
+        loops = {}
+        for checksums in {"on": [True], "off": [False], "both": [True, False]}[args.checksums]:
+            kind = "overlap" if checksums else "overlap, no checksums"
+            directory = os.path.join(root, f"overlap_{n}" if checksums else f"overlap_no_checksums_{n}")
+            store = oc.storage.CheckpointStore(directory, checksums=checksums)
+            mngr = oc.CheckpointManager(store=store, save_interval_steps=n, window=window)
+            state = mngr.prepare(fresh())
+            mngr.compile_ahead(train_step, state, batches[0])
+            loops[f"{kind} N={n}"] = {"state": state, "n": n, "mngr": mngr, "t": start_step}
         if not args.no_orbax:
             omngr = ocp.CheckpointManager(os.path.join(root, f"orbax_{n}"), options=ocp.CheckpointManagerOptions(
                 save_interval_steps=n, max_to_keep=2, enable_async_checkpointing=True))
@@ -159,11 +180,10 @@ def main(argv: list[str] | None = None) -> dict:
     plan = [(-1, True), (-1, False)] + [(r, on) for r in range(args.rounds)
                                         for on in ((True, False) if r % 2 == 0 else (False, True))]
     rows: dict[str, list[dict]] = {}
-    interval_of: dict[str, int] = {}
     for n in args.intervals:
         loops = make_loops(n)
-        for name, loop in loops.items():
-            rows[name], interval_of[name] = [], n
+        for name in loops:
+            rows[name] = []
         for i, (r, on) in enumerate(plan):
             next_on = plan[i + 1][1] if i + 1 < len(plan) else True
             for name, loop in loops.items():
@@ -174,14 +194,48 @@ def main(argv: list[str] | None = None) -> dict:
             (loop.get("mngr") or loop["omngr"]).close()
     shutil.rmtree(root, ignore_errors=True)
 
+    report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
+              "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
+              "sync_every": args.sync_every, "checksums": args.checksums, "device": str(device),
+              "loadavg_at_end": list(os.getloadavg()), "rows": rows}
+    report["summary"] = summarize(report)
+    publish(report, markdown(report), args.out)
+    return report
+
+
+def interval_of(name: str) -> int:
+    """The checkpoint interval of a loop, from its name (``"<kind> N=<n>"``)."""
+    return int(name.rsplit(" N=", 1)[1])
+
+
+def summarize(report: dict) -> dict:
+    """Per loop, the figures of the report's table from its blocks (``report["rows"]``)."""
+    rows, sync_every = report["rows"], report["sync_every"]
+
     def rounds_of(name: str) -> list[tuple[dict, dict]]:
         """The (on, off) blocks of each round of a loop."""
         return [tuple(next(row for row in rows[name] if row["round"] == r and row["on"] == flag)
-                      for flag in (True, False)) for r in range(args.rounds)]
+                      for flag in (True, False)) for r in range(report["rounds"])]
+
+    def by_round(name: str, value) -> list[float]:
+        """Each round's (``value`` of the on block - of the off block) / checkpoints."""
+        return [(value(on) - value(off)) / on["ckpts"] for on, off in rounds_of(name)]
 
     def per_ckpt(name: str, value) -> float:
-        """Median over rounds of (``value`` of the on block - of the off block) / checkpoints."""
-        return statistics.median((value(on) - value(off)) / on["ckpts"] for on, off in rounds_of(name))
+        """Median over rounds of :func:`by_round`."""
+        return statistics.median(by_round(name, value))
+
+    def total(row: dict) -> float:
+        return row["block_s"] + row["drain_s"]
+
+    def orbax_minus(name: str) -> list[float] | None:
+        """Round by round, Orbax async's total cost per checkpoint minus this loop's, at the
+        same interval. A round runs every loop's blocks within a few minutes, so the drift
+        between rounds, which dominates the medians above, cancels in the difference."""
+        orbax = f"orbax async N={interval_of(name)}"
+        if name == orbax or orbax not in rows:
+            return None
+        return [theirs - ours for theirs, ours in zip(by_round(orbax, total), by_round(name, total))]
 
     def per_ckpt_segments(name: str) -> tuple[float, float]:
         """Median over rounds of the seconds per checkpoint that the on block's loss-fetch
@@ -192,28 +246,23 @@ def main(argv: list[str] | None = None) -> dict:
         own, other = [], []
         for on, off in rounds_of(name):
             base = statistics.median(segments(off["sync_s"]))
-            n, first = interval_of[name], on["first_step"]
-            marked = {(v - first) // args.sync_every for v in range(first, first + block) if v % n == 0}
+            n, first = interval_of(name), on["first_step"]
+            marked = {(v - first) // sync_every for v in range(first, first + report["block"]) if v % n == 0}
             deltas = [s - base for s in segments(on["sync_s"])]
             own.append(sum(d for i, d in enumerate(deltas) if i in marked) / on["ckpts"])
             other.append(sum(d for i, d in enumerate(deltas) if i not in marked) / on["ckpts"])
         return statistics.median(own), statistics.median(other)
 
-    summary = {name: {"n": interval_of[name],
-                      "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
-                      "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
-                      "per_ckpt_training_s": per_ckpt(name, lambda row: row["block_s"]),
-                      "per_ckpt_total_s": per_ckpt(name, lambda row: row["block_s"] + row["drain_s"]),
-                      "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
-                      "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"]),
-                      **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name)))}
-               for name in rows}
-    report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
-              "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
-              "sync_every": args.sync_every, "device": str(device), "loadavg_at_end": list(os.getloadavg()),
-              "rows": rows, "summary": summary}
-    publish(report, markdown(report), args.out)
-    return report
+    return {name: {"n": interval_of(name),
+                   "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
+                   "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
+                   "per_ckpt_training_s": per_ckpt(name, lambda row: row["block_s"]),
+                   "per_ckpt_total_s": per_ckpt(name, total),
+                   "orbax_minus_this_by_round_s": orbax_minus(name),
+                   "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
+                   "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"]),
+                   **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name)))}
+            for name in rows}
 
 
 def segments(sync_s: list[float]) -> list[float]:
@@ -243,9 +292,15 @@ def markdown(report: dict) -> str:
                      f"{s['per_ckpt_training_s'] * 1e3:.0f} | {s['per_ckpt_total_s'] * 1e3:.0f} | {ratio} | "
                      f"{s['ckpt_segments_s'] * 1e3:.0f} | {s['other_segments_s'] * 1e3:.0f} | "
                      f"{s['cpu_s_per_ckpt']:.2f} | {faults:.0f} ({faults * 4096 / 2**20:.0f}) |")
-    for kind in ("overlap", "orbax async"):
+    for name, s in summary.items():
+        diffs = s.get("orbax_minus_this_by_round_s")
+        if diffs:
+            lines += ["", f"{name} against Orbax async, round by round: Orbax's checkpoint cost more in "
+                          f"{sum(d > 0 for d in diffs)} of {len(diffs)} rounds (median difference "
+                          f"{statistics.median(diffs) * 1e3:.0f} ms per checkpoint)"]
+    for kind in dict.fromkeys(name.rsplit(" N=", 1)[0] for name in summary):
         for key, what in (("per_ckpt_total_s", "total cost"), ("ckpt_segments_s", "checkpoint's segment")):
-            costs = {s["n"]: s[key] for name, s in summary.items() if name.startswith(kind)}
+            costs = {s["n"]: s[key] for name, s in summary.items() if name.rsplit(" N=", 1)[0] == kind}
             if len(costs) >= 2:
                 short, long_ = min(costs), max(costs)
                 lines.append("")

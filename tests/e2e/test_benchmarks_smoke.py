@@ -100,8 +100,10 @@ def test_bench_interval_tiny(tmp_path):
         # hold a step that reads a checkpoint's version, so no segment is left for "other".
         assert report["summary"][name]["other_segments_s"] == 0, name
         assert report["summary"][name]["ckpt_segments_s"] != 0, name
+    assert [len(report["summary"][f"overlap N={n}"]["orbax_minus_this_by_round_s"]) for n in (2, 4)] == [2, 2]
     text = (tmp_path / "interval.md").read_text()
     assert "total cost per checkpoint at N=4" in text and "checkpoint's segment per checkpoint at N=4" in text
+    assert "overlap N=4 against Orbax async, round by round" in text
 
 
 def test_cli_simulate():
@@ -115,6 +117,25 @@ def test_cli_simulate():
     bad = subprocess.run([sys.executable, "-m", "overlap_ckpt.tools.cli", "simulate", "--params", "7B",
                           "--intervals", "0"], env=env, capture_output=True, text=True, timeout=120)
     assert bad.returncode == 1 and "error" in bad.stderr
+
+
+def test_bench_interval_compares_with_orbax_within_each_round():
+    """Round by round, Orbax's cost per checkpoint minus overlap's, each from its own on and
+    off blocks of that round: here round 0 drifted 2 s slower for both, which the
+    difference cancels."""
+    from benchmarks.bench_interval import summarize
+
+    def block(r, on, block_s, ckpts=2):
+        return {"round": r, "on": on, "first_step": 0, "block_s": block_s, "drain_s": 0.1 if on else 0.0,
+                "ckpts": ckpts if on else 0, "cpu_s": 0.0, "minor_faults": 0, "sync_s": [5.0, 10.0]}
+
+    rows = {"overlap N=10": [block(0, True, 12.2), block(0, False, 12.0), block(1, False, 10.0), block(1, True, 10.4)],
+            "orbax async N=10": [block(0, True, 13.0), block(0, False, 12.0), block(1, False, 10.0),
+                                 block(1, True, 10.7)]}
+    summary = summarize({"rows": rows, "rounds": 2, "block": 10, "sync_every": 5})
+    # overlap: (12.3 - 12.0) / 2 = 0.15 and (10.5 - 10.0) / 2 = 0.25; Orbax: 0.55 and 0.4.
+    assert summary["overlap N=10"]["orbax_minus_this_by_round_s"] == pytest.approx([0.4, 0.15])
+    assert summary["orbax async N=10"]["orbax_minus_this_by_round_s"] is None
 
 
 def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
@@ -133,6 +154,13 @@ def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
     assert "total cost per checkpoint at N=50 against N=10: not resolved" in text
     assert "-490.00x" not in text and "x the one at N=10 (target" in text  # the segment's ratio stays
     assert "checkpoint's segment per checkpoint at N=50 is 0.51x the one at N=10" in text
+
+    # With --checksums both, each kind of overlap loop is set against its own other interval.
+    report["summary"] |= {"overlap, no checksums N=10": row(10, 0.1, 0.1),
+                          "overlap, no checksums N=50": row(50, 0.3, 0.05)}
+    text = markdown(report)
+    assert "overlap, no checksums: total cost per checkpoint at N=50 is 3.00x the one at N=10" in text
+    assert "overlap: total cost per checkpoint at N=50 against N=10: not resolved" in text
 
 
 def resident_pages(path) -> int:
