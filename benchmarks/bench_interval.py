@@ -203,6 +203,11 @@ def main(argv: list[str] | None = None) -> dict:
     return report
 
 
+def kind_of(name: str) -> str:
+    """The kind of a loop (``"overlap"``, ``"orbax async"``, ...), from its name (``"<kind> N=<n>"``)."""
+    return name.rsplit(" N=", 1)[0]
+
+
 def interval_of(name: str) -> int:
     """The checkpoint interval of a loop, from its name (``"<kind> N=<n>"``)."""
     return int(name.rsplit(" N=", 1)[1])
@@ -298,9 +303,9 @@ def markdown(report: dict) -> str:
             lines += ["", f"{name} against Orbax async, round by round: Orbax's checkpoint cost more in "
                           f"{sum(d > 0 for d in diffs)} of {len(diffs)} rounds (median difference "
                           f"{statistics.median(diffs) * 1e3:.0f} ms per checkpoint)"]
-    for kind in dict.fromkeys(name.rsplit(" N=", 1)[0] for name in summary):
+    for kind in dict.fromkeys(map(kind_of, summary)):
         for key, what in (("per_ckpt_total_s", "total cost"), ("ckpt_segments_s", "checkpoint's segment")):
-            costs = {s["n"]: s[key] for name, s in summary.items() if name.rsplit(" N=", 1)[0] == kind}
+            costs = {s["n"]: s[key] for name, s in summary.items() if kind_of(name) == kind}
             if len(costs) >= 2:
                 short, long_ = min(costs), max(costs)
                 lines.append("")
