@@ -38,7 +38,10 @@ with training), the process's CPU seconds and minor page faults per checkpoint (
 move with the machine's load, where wall time does), and the same from the loss-fetch
 segments: what the segments holding a checkpoint add to the off block's median segment, and
 what all other segments add (``per_ckpt_segments``; at N=50 the whole-block difference is
-dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). Against Orbax,
+dominated by drift, benchmarks/results/cpu_20m_interval_n50_12rounds.md). Where a block
+holds one checkpoint in its middle, what the segments after it add against the segments
+before it in the same block (``spill_after_by_round_s``: the drift of the whole block
+cancels, as it does not in "other segments"). Against Orbax,
 each overlap loop is also compared round by round (``orbax_minus_this_by_round_s``): the
 loops of one round run within minutes of each other, so the drift between rounds cancels.
 The loop fetches its loss every ``--sync-every`` steps (1: every step, as
@@ -258,6 +261,26 @@ def summarize(report: dict) -> dict:
             other.append(sum(d for i, d in enumerate(deltas) if i not in marked) / on["ckpts"])
         return statistics.median(own), statistics.median(other)
 
+    def spill_after(name: str) -> list[float] | None:
+        """Round by round, the seconds per checkpoint that the segments after the last
+        checkpoint's segment add, each set against the segments before the first one in the
+        same on block (every segment as on minus off at the same position): a drift of the
+        whole block, which dominates the other-segments figure at long intervals, cancels,
+        and what is left is background work (persist, release) slowing the steps after the
+        checkpoint. None unless a block has two segments before its first checkpoint and
+        after its last (at N=50 in 50-step blocks; never at N=10)."""
+        by_round = []
+        for on, off in rounds_of(name):
+            n, first = interval_of(name), on["first_step"]
+            marked = [(v - first) // sync_every for v in range(first, first + report["block"]) if v % n == 0]
+            deltas = [a - b for a, b in zip(segments(on["sync_s"]), segments(off["sync_s"]))]
+            before, after = deltas[:marked[0]], deltas[marked[-1] + 1:]
+            if len(before) < 2 or len(after) < 2:
+                return None
+            drift = statistics.median(before)
+            by_round.append(sum(d - drift for d in after) / on["ckpts"])
+        return by_round
+
     return {name: {"n": interval_of(name),
                    "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
                    "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
@@ -266,7 +289,8 @@ def summarize(report: dict) -> dict:
                    "orbax_minus_this_by_round_s": orbax_minus(name),
                    "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
                    "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"]),
-                   **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name)))}
+                   **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name))),
+                   "spill_after_by_round_s": spill_after(name)}
             for name in rows}
 
 
@@ -303,6 +327,13 @@ def markdown(report: dict) -> str:
             lines += ["", f"{name} against Orbax async, round by round: Orbax's checkpoint cost more in "
                           f"{sum(d > 0 for d in diffs)} of {len(diffs)} rounds (median difference "
                           f"{statistics.median(diffs) * 1e3:.0f} ms per checkpoint)"]
+    for name, s in summary.items():
+        spill = s.get("spill_after_by_round_s")
+        if spill:
+            lines += ["", f"{name}: the segments after the checkpoint, against those before it in the same "
+                          f"block, add {statistics.median(spill) * 1e3:.0f} ms per checkpoint (median over "
+                          f"rounds; {min(spill) * 1e3:.0f} to {max(spill) * 1e3:.0f}; more in "
+                          f"{sum(d > 0 for d in spill)} of {len(spill)} rounds)"]
     for kind in dict.fromkeys(map(kind_of, summary)):
         for key, what in (("per_ckpt_total_s", "total cost"), ("ckpt_segments_s", "checkpoint's segment")):
             costs = {s["n"]: s[key] for name, s in summary.items() if kind_of(name) == kind}

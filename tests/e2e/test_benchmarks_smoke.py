@@ -138,6 +138,35 @@ def test_bench_interval_compares_with_orbax_within_each_round():
     assert summary["orbax async N=10"]["orbax_minus_this_by_round_s"] is None
 
 
+def test_bench_interval_spill_after_the_checkpoint_cancels_the_blocks_drift():
+    """The segments after a mid-block checkpoint, set against those before it in the same
+    block: round 0's on block runs 0.2 s per segment slower throughout (drift) and the two
+    segments after the checkpoint 0.3 and 0.1 s more; round 1's runs 0.1 s faster and the
+    first segment after 0.1 s more. At N=10 no segment is left before the first checkpoint."""
+    from itertools import accumulate
+
+    from benchmarks.bench_interval import markdown, summarize
+
+    def block(r, on, segments, ckpts):
+        return {"round": r, "on": on, "first_step": 15, "block_s": sum(segments), "drain_s": 0.0,
+                "ckpts": ckpts if on else 0, "cpu_s": 0.0, "minor_faults": 0, "sync_s": list(accumulate(segments))}
+
+    off = [1.0] * 6  # 30 steps from step 15, loss every 5: the N=30 checkpoint (step 30) is in segment 3
+    rounds = [[1.2, 1.2, 1.2, 1.7, 1.5, 1.3], [0.9, 0.9, 0.9, 1.4, 1.0, 0.9]]
+    rows = {"overlap N=30": [block(0, True, rounds[0], 1), block(0, False, off, 1),
+                             block(1, False, off, 1), block(1, True, rounds[1], 1)],
+            "overlap N=10": [block(0, True, rounds[0], 3), block(0, False, off, 3),
+                             block(1, False, off, 3), block(1, True, rounds[1], 3)]}
+    report = {"rows": rows, "rounds": 2, "block": 30, "sync_every": 5}
+    summary = summarize(report)
+    assert summary["overlap N=30"]["spill_after_by_round_s"] == pytest.approx([0.4, 0.1])
+    assert summary["overlap N=10"]["spill_after_by_round_s"] is None
+    text = markdown(report | {"model": "tiny", "window": 1, "loadavg_at_end": [1.0], "summary": summary})
+    assert ("overlap N=30: the segments after the checkpoint, against those before it in the same block, "
+            "add 250 ms per checkpoint (median over rounds; 100 to 400; more in 2 of 2 rounds)") in text
+    assert "overlap N=10: the segments after" not in text
+
+
 def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
     """A cost per checkpoint at or below zero is drift between blocks (a checkpoint never
     speeds a loop up): the report says so instead of printing a ratio to it."""
