@@ -1,10 +1,15 @@
 """Shared test helpers: a donating training loop driven by the engine, and exact comparisons."""
 
+import fcntl
 import functools
 import itertools
 import os
+import pickle
+import shutil
 import subprocess
 import sys
+from pathlib import Path
+from typing import Callable, TypeVar
 
 # The suite's expectations (bitwise replays, simulated devices) are the CPU backend's. An
 # installed accelerator plugin (libtpu from the "aot" extra, which compiles for TPU targets
@@ -26,6 +31,43 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
+T = TypeVar("T")
+
+
+def run_wide_tmp(tmp_path_factory) -> Path:
+    """The temporary directory every pytest-xdist worker of this run sees (pytest's own
+    base directory without xdist)."""
+    base = tmp_path_factory.getbasetemp()
+    return base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base
+
+
+def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
+    """``build(directory)``, run by the first worker that asks for ``name``; every other
+    worker waits for it and gets the same (unpickled) result and the same files.
+
+    Why: a module-scoped fixture runs once in each xdist worker that runs one of the
+    module's tests, and work stealing splits modules between the two workers, so the
+    fixtures that train in subprocesses (a demo, a dozen killed runs: 15-40 s each) were
+    run twice in one CI run, on CI's two cores. The build runs under a file lock in the
+    run-wide temporary directory, and its result is kept beside its files. Tests that
+    change those files work on a copy of them. A build that fails records nothing: a
+    worker that asks later builds again and fails on its own."""
+    directory = run_wide_tmp(tmp_path_factory) / f"once-{name}"
+    result_file = directory.with_name(directory.name + ".pkl")
+    with open(directory.with_name(directory.name + ".lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # released when the file closes
+        if result_file.exists():
+            with open(result_file, "rb") as f:
+                return pickle.load(f)
+        if directory.exists():
+            shutil.rmtree(directory)  # a failed build's leftovers
+        directory.mkdir()
+        result = build(directory)
+        with open(result_file.with_suffix(".tmp"), "wb") as f:
+            pickle.dump(result, f)
+        os.replace(result_file.with_suffix(".tmp"), result_file)
+        return result
+
 
 @pytest.fixture(scope="session", autouse=True)
 def shared_compile_cache(tmp_path_factory):
@@ -43,8 +85,7 @@ def shared_compile_cache(tmp_path_factory):
     again."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    base = tmp_path_factory.getbasetemp()
-    shared = (base.parent if os.environ.get("PYTEST_XDIST_WORKER") else base) / "jax-compile-cache"
+    shared = run_wide_tmp(tmp_path_factory) / "jax-compile-cache"
     os.environ.update(zip(COMPILE_CACHE_VARS, (str(shared), "0", "-1")))
     jax.config.update("jax_compilation_cache_dir", str(shared))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)

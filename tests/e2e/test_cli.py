@@ -1,13 +1,13 @@
 """The ``overlap-ckpt`` command line: demo, inspect, verify, and its error handling."""
 
 import os
+import shutil
 import subprocess
 import sys
 
 import pytest
 
-from conftest import REPO
-
+from conftest import REPO, once_per_run
 
 
 def cli(*args, timeout=600):
@@ -18,14 +18,19 @@ def cli(*args, timeout=600):
                           capture_output=True, text=True, timeout=timeout)
 
 
-@pytest.fixture(scope="module")
-def demo_dir(tmp_path_factory):
-    d = tmp_path_factory.mktemp("cli") / "demo"
+def run_demo(directory):
+    d = directory / "demo"
     r = cli("demo", "--dir", d, "--steps", 40, "--interval", 8, "--window", 2, "--quiet")
     assert r.returncode == 0, r.stdout + r.stderr
     assert "resume verified: bitwise identical losses" in r.stdout
     assert "Traceback" not in r.stderr
     return d, r.stdout
+
+
+@pytest.fixture(scope="module")
+def demo_dir(tmp_path_factory):
+    """One demo run for the whole test run (both xdist workers): the tests only read it."""
+    return once_per_run(tmp_path_factory, "cli-demo", run_demo)
 
 
 @pytest.mark.slow
@@ -47,8 +52,9 @@ def test_inspect_lists_steps(demo_dir):
 
 
 @pytest.mark.slow
-def test_verify_good_then_corrupt(demo_dir):
-    d, _ = demo_dir
+def test_verify_good_then_corrupt(demo_dir, tmp_path):
+    d = tmp_path / "demo"
+    shutil.copytree(demo_dir[0], d)  # the byte flipped below stays out of the shared run
     r = cli("verify", d)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "FAULT" not in r.stdout and "OK" in r.stdout

@@ -25,6 +25,8 @@ import pytest
 
 from overlap_ckpt.storage import CheckpointNotFoundError, CheckpointStore, IncompleteCheckpointError
 
+from conftest import once_per_run
+
 from . import record, worker
 
 STEPS = 18
@@ -47,7 +49,12 @@ IO = {
 
 @pytest.fixture(scope="module")
 def runs(tmp_path_factory):
-    base = tmp_path_factory.mktemp("faultruns")
+    """Every run once for the whole test run (both xdist workers): each test resumes in its
+    own run's directory only."""
+    return once_per_run(tmp_path_factory, "faultruns", all_runs)
+
+
+def all_runs(base: Path):
     jobs = {"reference": ({}, base / "reference")}
     (base / "ref").mkdir()
     for name, (fault, _) in {**KILLS, **IO}.items():

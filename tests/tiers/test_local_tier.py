@@ -23,6 +23,8 @@ import pytest
 
 from overlap_ckpt import CheckpointManager, ConfigError, LocalTier
 
+from conftest import once_per_run
+
 from . import worker
 
 STEPS = 14
@@ -78,8 +80,12 @@ RUN_STEPS = {"torn local write": 12}
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
-    base = tmp_path_factory.mktemp("tiers_kill")
+    """Every case's run once for the whole test run (both xdist workers): each test resumes
+    in its own case's directories only."""
+    return once_per_run(tmp_path_factory, "tiers_kill", killed_runs)
 
+
+def killed_runs(base):
     def one(name):
         d = base / name.replace(" ", "_")
         proc = worker.launch(d / "durable", d / "local", steps=STEPS, env=CASES[name])

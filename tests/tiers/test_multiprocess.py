@@ -39,6 +39,7 @@ import sys
 
 import pytest
 
+from conftest import once_per_run
 from e2e.test_multiprocess import TIMEOUT, env, free_port, run_processes
 
 WORKER = os.path.join(os.path.dirname(os.path.abspath(__file__)), "mp_worker.py")
@@ -70,7 +71,11 @@ def steps_in(directory):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-    tmp = tmp_path_factory.mktemp("tiers_mp")
+    """One reference job for the whole test run (both xdist workers): tests resume on copies."""
+    return once_per_run(tmp_path_factory, "tiers_mp", reference_job)
+
+
+def reference_job(tmp):
     events = job(tmp, tmp / "ref", "reference")
     losses = [{e["t"]: e["loss"] for e in ev if e["ev"] == "step"} for ev in events]
     assert losses[0] == losses[1] and sorted(losses[0]) == list(range(STEPS))
@@ -109,9 +114,13 @@ def test_a_wiped_local_tier_resumes_everyone_from_durable(tmp_path, reference):
 
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
+    """One killed job for the whole test run (both xdist workers): tests resume on copies."""
+    return once_per_run(tmp_path_factory, "tiers_mp_killed", killed_job)
+
+
+def killed_job(tmp):
     """A replicas=1 job whose process 1 is SIGKILLed at the end of step 17; the scheduler
     then kills process 0 too (the job restarts)."""
-    tmp = tmp_path_factory.mktemp("tiers_mp_killed")
     log = tmp / "log_killed.txt"
     with open(log, "w") as out:
         procs = [subprocess.Popen(cmd, env=env(2), stdout=out, stderr=subprocess.STDOUT)
