@@ -182,13 +182,16 @@ class CopyingSink:
 
 
 def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None,
-             shard_state=False, before_step=None, sink=None):
+             shard_state=False, before_step=None, sink=None, committed=True):
     """Train ``steps`` steps with a donating jitted step that captures in-graph.
 
     ``sink``: where checkpoints go (default: a :class:`MemorySink`, which keeps every copy,
     so the engine never reuses one). ``before_step(t, engine, params, opt_state)``, if
     given, runs before step ``t`` and may return a new ``(params, opt_state)`` (e.g. a tree
-    change mid-window), or None.
+    change mid-window), or None. ``committed``: the state starts committed to the device, as
+    a step's outputs are after its first window step; False starts it as ``jnp.asarray``
+    and ``jax.jit`` leave it, and the step compiles its plain and first-phase variants
+    once for each (jit's cache key holds the inputs' commitment).
     Returns (engine, sink, references) where references[V] is a synchronous
     ``jax.device_get`` of (params, opt_state) at version V.
     """
@@ -200,6 +203,8 @@ def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves
     # a copy for every distinct leaf shape (14 s of a 201-leaf test). Sharded params: it
     # replicates the moments; shard_state=True lays them out like params.
     opt_state = jax.jit(tx.init)(params)
+    if shard is None and committed:
+        params, opt_state = jax.device_put((params, opt_state), jax.devices()[0])
     if shard is not None:
         if shard_state:
             mesh = jax.tree.leaves(params)[0].sharding.mesh

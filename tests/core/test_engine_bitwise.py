@@ -77,6 +77,16 @@ def test_many_leaves(name, window):
     assert engine.plan.k == window and len(refs) == 1
 
 
+@pytest.mark.parametrize("window", [1, 3])
+def test_uncommitted_initial_state(window):
+    """The state as ``jnp.asarray`` and a jitted init leave it (uncommitted), as a user's
+    first step gets it: the first window's plain and phase-0 programs are compiled for it,
+    later ones for the committed state the window steps return; both replay exactly."""
+    _, sink, refs = run_loop(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-2)),
+                             make_params(MIXED), window=window, interval=4, steps=9, committed=False)
+    check_windows(sink, refs)
+
+
 def test_adafactor_factored_leaves_whole_leaf_slices():
     params = make_params([(256, 160), (160,), (130, 300)])
     engine, sink, refs = run_loop(optax.adafactor(1e-2), params, window=3, interval=3, steps=6)
