@@ -47,7 +47,7 @@ def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
 
     Why: a module-scoped fixture runs once in each xdist worker that runs one of the
     module's tests, and work stealing splits modules between the two workers, so the
-    fixtures that train in subprocesses (a demo, a dozen killed runs: 15-40 s each) were
+    fixtures that train in subprocesses (a demo, a dozen killed runs: 7-30 s each) were
     run twice in one CI run, on CI's two cores. The build runs under a file lock in the
     run-wide temporary directory, and its result is kept beside its files. Tests that
     change those files work on a copy of them. A build that fails records nothing: a
