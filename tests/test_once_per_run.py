@@ -35,7 +35,7 @@ def ask(run_dir, worker, out):
 
 def test_two_workers_asking_at_once_share_one_build(tmp_path, monkeypatch):
     monkeypatch.setenv("PYTEST_XDIST_WORKER", "gw0")
-    ctx = multiprocessing.get_context("fork")
+    ctx = multiprocessing.get_context("spawn")  # not fork: this process runs JAX's threads
     out = ctx.Queue()
     procs = [ctx.Process(target=ask, args=(tmp_path, worker, out)) for worker in ("gw0", "gw1")]
     for proc in procs:
