@@ -245,6 +245,12 @@ def summarize(report: dict) -> dict:
             return None
         return [theirs - ours for theirs, ours in zip(by_round(orbax, total), by_round(name, total))]
 
+    def ckpt_segments(name: str, on: dict) -> list[int]:
+        """The loss-fetch segments of block ``on`` that hold a step reading a checkpoint's
+        version, in order."""
+        n, first = interval_of(name), on["first_step"]
+        return sorted({(v - first) // sync_every for v in range(first, first + report["block"]) if v % n == 0})
+
     def per_ckpt_segments(name: str) -> tuple[float, float]:
         """Median over rounds of the seconds per checkpoint that the on block's loss-fetch
         segments add to the off block's median segment: (the segments that hold the step
@@ -254,8 +260,7 @@ def summarize(report: dict) -> dict:
         own, other = [], []
         for on, off in rounds_of(name):
             base = statistics.median(segments(off["sync_s"]))
-            n, first = interval_of(name), on["first_step"]
-            marked = {(v - first) // sync_every for v in range(first, first + report["block"]) if v % n == 0}
+            marked = set(ckpt_segments(name, on))
             deltas = [s - base for s in segments(on["sync_s"])]
             own.append(sum(d for i, d in enumerate(deltas) if i in marked) / on["ckpts"])
             other.append(sum(d for i, d in enumerate(deltas) if i not in marked) / on["ckpts"])
@@ -271,8 +276,7 @@ def summarize(report: dict) -> dict:
         after its last (at N=50 in 50-step blocks; never at N=10)."""
         by_round = []
         for on, off in rounds_of(name):
-            n, first = interval_of(name), on["first_step"]
-            marked = [(v - first) // sync_every for v in range(first, first + report["block"]) if v % n == 0]
+            marked = ckpt_segments(name, on)
             deltas = [a - b for a, b in zip(segments(on["sync_s"]), segments(off["sync_s"]))]
             before, after = deltas[:marked[0]], deltas[marked[-1] + 1:]
             if len(before) < 2 or len(after) < 2:

@@ -63,9 +63,10 @@ def once_per_run(tmp_path_factory, name: str, build: Callable[[Path], T]) -> T:
             shutil.rmtree(directory)  # a failed build's leftovers
         directory.mkdir()
         result = build(directory)
-        with open(result_file.with_suffix(".tmp"), "wb") as f:
+        partial = result_file.with_suffix(".tmp")
+        with open(partial, "wb") as f:
             pickle.dump(result, f)
-        os.replace(result_file.with_suffix(".tmp"), result_file)
+        os.replace(partial, result_file)  # whole or absent, for a worker that reads it
         return result
 
 
