@@ -50,6 +50,40 @@ def covers(shape: Sequence[int], indices: Sequence[Sequence[slice]]) -> bool:
     return covered == int(np.prod(shape))
 
 
+PART_BYTES = 1 << 20  # per block: see part_rows
+
+
+def part_rows(block_shape: Sequence[int], itemsize: int) -> int:
+    """The rows a row-chunked leaf with device blocks of ``block_shape`` is cut at multiples
+    of (by the window's slices and the host replay's calls): about :data:`PART_BYTES` of each
+    block for blocks of 4x that or more, else single rows.
+
+    Why: the host copy hands each replayed leaf to storage as the rows each replay call
+    keeps. TensorStore writes a zarr chunk that one such part covers straight from it, but
+    assembles a chunk that two parts share in a copy: with cuts at any row, peak RSS was
+    ~0.7x the state higher (a 228 MiB state of 4 MiB leaves, K=3, through CheckpointStore,
+    whose 4 MiB chunks then each held several parts). Storage chunks by the parts' common
+    row grid when it is this coarse (``overlap_ckpt.storage.tree.chunk_shape_for``). A
+    function of the block alone, so that every process finds the same grid."""
+    if not block_shape:
+        return 1
+    rows = int(block_shape[0])
+    block_row = int(np.prod(block_shape[1:])) * itemsize
+    if rows * block_row < 4 * PART_BYTES:
+        return 1
+    return min(rows, -(-PART_BYTES // max(block_row, 1)))
+
+
+def sharding_blocks(shape: Sequence[int], sharding: Any) -> list[Index]:
+    """Every distinct block of an array of ``shape`` placed by the jax ``sharding``, on all
+    processes (the same list everywhere), in index order."""
+    blocks = {}
+    for index in sharding.devices_indices_map(tuple(shape)).values():
+        index = normalize_index(index, shape)
+        blocks[index_key(index)] = index
+    return [blocks[k] for k in sorted(blocks)]
+
+
 def is_prng_key(x: Any) -> bool:
     """True for a typed PRNG key array (``jax.random.key``), whose dtype numpy cannot hold."""
     import jax
@@ -105,6 +139,10 @@ class HostArray:
     dtype: np.dtype
     shards: list[HostShard]
     blocks: tuple[Index, ...] | None = None
+    # The jax sharding whose replica-0 blocks ``blocks`` are (the window's capture layout),
+    # when known: a local-tier restore rebuilds the leaf from every process's blocks with it
+    # (overlap_ckpt.tier_restore), whatever the layout it is restored onto.
+    sharding: Any = None
 
     @property
     def layout_indices(self) -> list[Index]:
@@ -139,7 +177,7 @@ class HostArray:
                             "jax.random.key_data(key) and wrap it again after restore.")
         shards = [HostShard(index, np.array(data, copy=True) if copy else np.asarray(data))
                   for index, data in local_blocks(x)]
-        return cls(tuple(x.shape), np.dtype(x.dtype), shards)
+        return cls(tuple(x.shape), np.dtype(x.dtype), shards, sharding=x.sharding)
 
     @property
     def nbytes(self) -> int:

@@ -569,11 +569,11 @@ class CheckpointManager:
         self.engine.plan_for(parts.params, parts.opt_state, parts.extras)
         return True
 
-    def _restorable(self, step: int | None) -> int:
+    def _restorable(self, step: int | None) -> int | None:
         if step is not None:
             return int(step)
-        if isinstance(self.store, TieredStore):  # collective: every process agrees on the step
-            return self.store.newest_step()
+        if isinstance(self.store, TieredStore):  # collective: the processes agree on the step,
+            return None  # skipping local steps one of them cannot read (TieredStore.restore)
         latest = self.latest_step()
         if latest is None:
             from .storage import CheckpointNotFoundError

@@ -30,14 +30,16 @@ import dataclasses
 import hashlib
 import itertools
 import json
+import logging
 import os
 import tempfile
 import threading
 from typing import Any, NamedTuple
 
-from .errors import ConfigError
+from .errors import CheckpointError, ConfigError
 from .peers import TIER_KEY, PeerReplicas, intact_steps, writer_tag
 
+log = logging.getLogger(__name__)
 _instances = itertools.count()  # key-value namespaces: stores are built in the same order everywhere
 _AGREE_TIMEOUT_MS = 300_000
 
@@ -160,6 +162,13 @@ class TieredStore:
 
     def _put_tiers(self, step: int, tree: Any, metadata: dict | None, durable: bool) -> None:
         tagged = {**(metadata or {}), TIER_KEY: self._tag}
+        if self.process_count > 1:
+            from .tier_restore import LAYOUT_KEY, layouts_of
+
+            self._layouts[step] = _blocks_of(tree)
+            tagged[LAYOUT_KEY] = layouts_of([(leaf.name, leaf.sharding) for leaf in self._layouts[step][1]])
+            for old in sorted(self._layouts)[:-(self.tier.max_to_keep + 2)]:  # + steps still queued
+                del self._layouts[old]
         first_error = None
         for store, meta, wanted in ((self.local, tagged, True), (self.durable, metadata, durable)):
             if not wanted:
@@ -168,10 +177,6 @@ class TieredStore:
                 store.put(step, tree, meta)
             except Exception as e:  # noqa: BLE001 - the other tier still gets its copy
                 first_error = first_error or e
-        if self.process_count > 1:
-            self._layouts[step] = _blocks_of(tree)
-            for old in sorted(self._layouts)[:-(self.tier.max_to_keep + 2)]:  # + steps still queued
-                del self._layouts[old]
         if self.peers is not None:
             self.peers.notify()
         if first_error is not None:
@@ -239,11 +244,11 @@ class TieredStore:
     def latest_intact_step(self) -> int:
         return self.newest_step()
 
-    def newest_step(self) -> int:
+    def newest_step(self, skip: frozenset[int] = frozenset()) -> int:
         """The newest step every process can restore: from the local tiers when every
         process's shards of it are in some process's local tier (its own or a peer's
-        replica), else the newest intact durable step. Collective in a multi-process job
-        (every process must call it, in the same order)."""
+        replica), else the newest intact durable step; local steps in ``skip`` do not count.
+        Collective in a multi-process job (every process must call it, in the same order)."""
         from .storage import CheckpointNotFoundError, CorruptCheckpointError
 
         try:
@@ -251,7 +256,7 @@ class TieredStore:
         except (CheckpointNotFoundError, CorruptCheckpointError):
             durable = None
         views = self._exchange({**self._local_view(), "durable": durable})
-        common = set.intersection(*_available(views).values())
+        common = set.intersection(*_available(views).values()) - set(skip)
         durables = [v["durable"] for v in views]
         durable = None if None in durables else min(durables)
         best = max([s for s in (max(common, default=None), durable) if s is not None], default=None)
@@ -262,29 +267,60 @@ class TieredStore:
         return best
 
     def restore(self, step: int | None = None, target: Any = None, **kwargs: Any) -> tuple[Any, dict]:
-        """Read ``step`` (:meth:`newest_step` when None) from the local tiers when every
-        process's shards of it are there, else from the durable tier. Collective in a
-        multi-process job: a process whose own copy is gone first gets it from the peer
-        holding its replica, then each process reads the blocks it owned and jax's
-        collectives place the replicated ones (:mod:`overlap_ckpt.tier_restore`); that
-        needs ``target``."""
-        step = self.newest_step() if step is None else int(step)
+        """Read ``step`` from the local tiers when every process's shards of it are there,
+        else from the durable tier. Collective in a multi-process job: a process whose own
+        copy is gone first gets it from the peer holding its replica, then each process
+        reads the blocks it wrote and jax's collectives place them on the target's layout
+        (:mod:`overlap_ckpt.tier_restore`); that needs ``target``.
+
+        ``step=None``: the newest step every process can restore (:meth:`newest_step`). A
+        local step that some process cannot read in full (a torn or wiped file, a step
+        written on other devices) is then skipped, with a warning naming it and the
+        process, for the next newest, down to the durable tier: a restart is never blocked
+        by the local tier. The processes agree on every read before any collective, so a
+        process that failed never leaves the others waiting in one.
+        """
+        if step is not None:
+            return self._restore_step(int(step), target, **kwargs)
+        skipped: set[int] = set()
+        while True:
+            step = self.newest_step(frozenset(skipped))
+            try:
+                return self._restore_step(step, target, **kwargs)
+            except LocalStepUnreadable as e:
+                log.warning("%s; restoring the next newest step instead", e)
+                skipped.add(step)
+
+    def _restore_step(self, step: int, target: Any, **kwargs: Any) -> tuple[Any, dict]:
         self._drop_local_after(step)
         agreement = next(self._agreements)
         sources = _sources(self._exchange(self._local_view()), step)
         if None in sources.values() or (target is None and self.process_count > 1):
             return self.durable.restore(step, target, **kwargs)
-        if any(q != p for p, q in sources.items()):
-            self.peers.hand_over(step, sources, self.local.location, agreement)
-            self.local.close()
-            self.local = self._open_local()  # it lists the step installed behind its back
-        if self.process_count == 1:
-            tree, meta = self.local.restore(step, target, **kwargs)
-        else:
-            from .tier_restore import owned_target, spread
-            tree, meta = self.local.restore(step, owned_target(target), **kwargs)
-            tree = spread(tree, target)
-        return tree, {k: v for k, v in (meta or {}).items() if k != TIER_KEY}
+        from .storage import layout, restore
+        from .tier_restore import LAYOUT_KEY, owned_target, spread, written_shardings
+
+        tree = meta = written = None
+        error = None
+        try:
+            if any(q != p for p, q in sources.items()):
+                self.peers.hand_over(step, sources, self.local.location, agreement)
+                self.local.close()
+                self.local = self._open_local()  # it lists the step installed behind its back
+            if self.process_count == 1:
+                tree, meta = self.local.restore(step, target, **kwargs)
+            else:
+                view = restore.open_step(self.local.location, step, layout.step_dir(step), self.local.item_name)
+                written = written_shardings((view.custom_metadata or {}).get(LAYOUT_KEY))
+                tree, meta = self.local.restore(step, owned_target(target, written), **kwargs)
+        except (CheckpointError, ValueError) as e:
+            error = f"{type(e).__name__}: {e}"
+        failed = {p: v for p, v in enumerate(self._exchange(error)) if v}
+        if failed:
+            raise LocalStepUnreadable(step, failed)
+        if self.process_count > 1:
+            tree = spread(tree, target, written)
+        return tree, {k: v for k, v in (meta or {}).items() if k not in (TIER_KEY, LAYOUT_KEY)}
 
     def _local_view(self) -> dict[str, Any]:
         """What this process can give a local restore: its own steps and the replicas it holds."""
@@ -391,8 +427,6 @@ class TieredStore:
         store; just ``[mine]`` in a single-process job)."""
         if self.process_count == 1:
             return [mine]
-        from .storage import CheckpointError
-
         prefix = f"{self._namespace}/{next(self._agreements)}/"
         self._client.key_value_set(f"{prefix}{self.process_index}", json.dumps(mine), allow_overwrite=True)
         views = []
@@ -405,6 +439,16 @@ class TieredStore:
                     f"process {p} did not report its local-tier steps within {_AGREE_TIMEOUT_MS // 1000} s: "
                     "every process must restore (or ask for the newest step) at the same point") from e
         return views
+
+
+class LocalStepUnreadable(CheckpointError):
+    """A local-tier step that some process could not read in full (``failed``: by process,
+    why). Raised by a restore of that step by number; a restore of the newest step skips it."""
+
+    def __init__(self, step: int, failed: dict[int, str]):
+        self.failed = failed
+        why = "; ".join(f"process {p}: {e}" for p, e in sorted(failed.items()))
+        super().__init__(f"local-tier step {step} cannot be restored ({why})", step=step)
 
 
 def _available(views: list[dict]) -> dict[int, set[int]]:
@@ -434,6 +478,7 @@ class _PutLeaf(NamedTuple):
     dtype: Any = None
     blocks: tuple = ()  # index keys of the blocks this process wrote
     node: Any = None  # the empty node itself
+    sharding: Any = None  # the jax sharding whose replica-0 blocks they are, when known
 
 
 def _blocks_of(tree: Any) -> tuple[Any, list[_PutLeaf]]:
@@ -442,7 +487,8 @@ def _blocks_of(tree: Any) -> tuple[Any, list[_PutLeaf]]:
     import jax
 
     from .hostarray import HostArray, index_key
-    from .storage.tree import as_host_array, is_empty_node, key_name_and_type
+    from .storage.tree import as_host_array, is_empty_node
+    from .tier_restore import leaf_name
 
     flat, treedef = jax.tree_util.tree_flatten_with_path(tree, is_leaf=is_empty_node)
     leaves = []
@@ -453,8 +499,8 @@ def _blocks_of(tree: Any) -> tuple[Any, list[_PutLeaf]]:
         host = as_host_array(leaf)
         kind = "host" if isinstance(leaf, HostArray) else \
             "scalar" if isinstance(leaf, (bool, int, float, complex)) else "numpy"
-        leaves.append(_PutLeaf(kind, ".".join(key_name_and_type(k)[0] for k in path), host.shape, host.dtype,
-                               tuple(index_key(index) for index in host.layout_indices)))
+        leaves.append(_PutLeaf(kind, leaf_name(path), host.shape, host.dtype,
+                               tuple(index_key(index) for index in host.layout_indices), sharding=host.sharding))
     return treedef, leaves
 
 

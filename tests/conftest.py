@@ -183,13 +183,15 @@ class CopyingSink:
 
 
 def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves=None, shard=None,
-             shard_state=False, before_step=None, sink=None, committed=True):
+             shard_state=False, place_state=None, before_step=None, sink=None, committed=True):
     """Train ``steps`` steps with a donating jitted step that captures in-graph.
 
     ``sink``: where checkpoints go (default: a :class:`MemorySink`, which keeps every copy,
     so the engine never reuses one). ``before_step(t, engine, params, opt_state)``, if
     given, runs before step ``t`` and may return a new ``(params, opt_state)`` (e.g. a tree
-    change mid-window), or None. ``committed``: the state starts committed to the device, as
+    change mid-window), or None. ``place_state(opt_state)``, if given, places the optimizer
+    state after ``shard`` (moments laid out otherwise than their parameters, as ZeRO-1 does).
+    ``committed``: the state starts committed to the device, as
     a step's outputs are after its first window step; False starts it as ``jnp.asarray``
     and ``jax.jit`` leave it, and the step compiles its plain and first-phase variants
     once for each (jit's cache key holds the inputs' commitment).
@@ -213,6 +215,8 @@ def run_loop(tx, params, *, window, interval, steps, nan_step=None, chunk_leaves
             opt_state = optax.tree_utils.tree_map_params(
                 tx, lambda s, p: jax.device_put(s, p.sharding), opt_state, params,
                 transform_non_params=lambda s: jax.device_put(s, replicated))
+    if place_state is not None:
+        opt_state = place_state(opt_state)
     sink = MemorySink() if sink is None else sink
     engine = OverlapEngine(tx, sink, interval=interval, window=window, chunk_leaves=chunk_leaves)
     engine.plan_for(params, opt_state, {"step": jnp.int32(0)})

@@ -175,7 +175,7 @@ def host_array(blocks: LeafBlocks, replayed: list[HostShard] = ()) -> HostArray:
     if held != want:
         raise WindowAborted(f"the host copy of a leaf of shape {layout.shape} holds {held} of its "
                             f"{want} elements; a window phase is missing")
-    return HostArray(layout.shape, layout.dtype, shards, tuple(layout.blocks))
+    return HostArray(layout.shape, layout.dtype, shards, tuple(layout.blocks), layout.sharding)
 
 
 def replicated_value(x: jax.Array, shape: tuple[int, ...]) -> np.ndarray:

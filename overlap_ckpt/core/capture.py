@@ -143,6 +143,13 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
     does not match"). With more leading unit axes than any managed leaf has, no host copy
     has the shape of a leaf, nor of anything shaped like one. The host drops them
     (:func:`overlap_ckpt.core.buffers.unlead`).
+
+    The copy in host memory is constrained to the layout too, not only the array before it:
+    where the step's ``out_shardings`` leave the outbox unspecified (a sharding tree taken
+    from the state, whose outbox is ``None``), XLA's propagation placed a host copy
+    otherwise than its source (a replicated bias's gradient came back sharded like its
+    consumer), and the host, which keeps blocks as the plan lays them out, did not receive
+    the blocks it keeps: every checkpoint of such a loop failed.
     """
     if plan.outbox_memory is None:
         return x
@@ -153,11 +160,22 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
         return jax.device_put(x, jax.memory.Space.Host)
     if plan.outbox_memory != HOST_KIND:
         return jax.device_put(x, sharding.with_memory_kind(plan.outbox_memory))
-    x = jax.device_put(x, sharding)
     lead = _LEAD_AXES.get()
     if lead:
         x = x.reshape((1,) * lead + x.shape)
-    return jax.device_put(x, jax.memory.Space.Host)
+        sharding = _with_lead_axes(sharding, lead)
+    x = jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
+    if isinstance(sharding, NamedSharding):  # the host copy itself keeps the layout (see above)
+        x = jax.lax.with_sharding_constraint(x, sharding.with_memory_kind(HOST_KIND))
+    return x
+
+
+def _with_lead_axes(sharding: jax.sharding.Sharding, lead: int) -> jax.sharding.Sharding:
+    """``sharding`` for the same array with ``lead`` unit axes in front."""
+    if isinstance(sharding, NamedSharding):
+        return NamedSharding(sharding.mesh, PartitionSpec(*(None,) * lead, *sharding.spec),
+                             memory_kind=sharding.memory_kind)
+    return sharding
 
 
 def take_rows(x: jax.Array, layout: LeafLayout, piece: Piece, plan: CapturePlan) -> jax.Array:

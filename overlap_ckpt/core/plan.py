@@ -16,7 +16,8 @@ import numpy as np
 import optax
 
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
-from ..hostarray import covers, index_key, is_prng_key, local_blocks, normalize_index
+from ..hostarray import index_key, is_prng_key, local_blocks, normalize_index
+from ..hostarray import part_rows as hostarray_part_rows
 from . import backend
 from .packing import TPU_PACK_MAX_BYTES, packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
@@ -44,6 +45,13 @@ class LeafLayout:
     def rows(self) -> int:
         """Rows of a local block along axis 0 (scalars count as one row)."""
         return self.block_shape[0] if self.block_shape else 1
+
+    @property
+    def block_row_bytes(self) -> int:
+        """Bytes of one row of one device's block: what each device copies per row, the
+        same on every process (a process may keep several blocks of a leaf or none)."""
+        per_row = int(np.prod(self.block_shape[1:])) if self.block_shape else 1
+        return per_row * np.dtype(self.dtype).itemsize
 
     @property
     def row_bytes(self) -> int:
@@ -95,6 +103,62 @@ def abstract_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> 
             index = normalize_index(index, shape)
             blocks.setdefault(index_key(index), index)
     return list(blocks.values())
+
+
+def replica0_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[tuple[slice, ...]]:
+    """The distinct blocks of an array of ``shape`` placed by ``sharding`` whose replica 0
+    this process holds: the blocks :func:`overlap_ckpt.hostarray.local_blocks` yields for a
+    concrete array so placed (jax numbers the replicas of a block in the order of
+    ``devices_indices_map``)."""
+    seen: set = set()
+    mine = []
+    for device, index in sharding.devices_indices_map(shape).items():
+        index = normalize_index(index, shape)
+        key = index_key(index)
+        if key in seen:
+            continue
+        seen.add(key)
+        if device.process_index == jax.process_index():
+            mine.append(index)
+    return sorted(mine, key=index_key)
+
+
+def placed_as(layout: LeafLayout, sharding: jax.sharding.Sharding) -> LeafLayout:
+    """``layout``'s leaf as it is captured when placed by ``sharding`` instead."""
+    return dataclasses.replace(layout, sharding=sharding, block_shape=tuple(sharding.shard_shape(layout.shape)),
+                               blocks=tuple(replica0_blocks(layout.shape, sharding)))
+
+
+def unit_layouts(params_l: list[LeafLayout], state_l: list[LeafLayout],
+                 analysis: UpdateAnalysis) -> tuple[list[LeafLayout], list[LeafLayout]]:
+    """One capture layout per unit: a parameter and the optimizer-state leaves of its shape
+    that it owns are captured placed alike.
+
+    Why: each process replays its own blocks, elementwise, with no communication, so it
+    must receive the same blocks of a parameter, of its gradient and of its moments. Jobs
+    do not always place them alike: under ``jax.jit`` XLA chooses the moments' layout (it
+    replicated the Adam moments of FSDP-sharded parameters), and ZeRO-1 shards the moments
+    of replicated parameters on purpose. The unit is captured in the layout of its member
+    with the smallest blocks (the parameter's on a tie): the others are resliced to it in
+    the window step, which is local when that layout refines theirs (a replicated or less
+    sharded leaf), and otherwise a collective XLA inserts. The live state keeps its own
+    placement; only the window's host copies follow the unit's layout, and storage keeps
+    global indices, so the checkpoint does not depend on it.
+    """
+    params_l, state_l = list(params_l), list(state_l)
+    for k, param in enumerate(params_l):
+        members = [j for j in analysis.owned_state(k) if state_l[j].shape == param.shape]
+        candidates = [param, *(state_l[j] for j in members)]
+        if len({c.sharding for c in candidates}) == 1:
+            continue
+        if not all(isinstance(c.sharding, jax.sharding.NamedSharding) for c in candidates) or \
+                len({c.sharding.mesh for c in candidates}) != 1:
+            continue  # not on one mesh: whole-leaf slices (see make_plan), as before
+        chosen = min(candidates, key=lambda c: int(np.prod(c.block_shape))).sharding
+        params_l[k] = placed_as(param, chosen)
+        for j in members:
+            state_l[j] = placed_as(state_l[j], chosen)
+    return params_l, state_l
 
 
 def _layouts(tree) -> tuple[Any, list[LeafLayout]]:
@@ -251,6 +315,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     if not params_l:
         raise TreeMismatchError("params has no array leaves; there is nothing to checkpoint.")
     analysis = analyze_update(update, params, opt_state)
+    params_l, state_l = unit_layouts(params_l, state_l, analysis)
     chunk = analysis.chunkable if chunk_leaves is None else (chunk_leaves and analysis.chunkable)
     if chunk_leaves and not analysis.chunkable:
         log.info("whole-leaf slices: %s", analysis.why_not_chunkable)
@@ -259,22 +324,23 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
             log.info("opt_state leaf %d is sharded differently from its parameter; whole-leaf slices", j)
             chunk = False
     if window > 1 and not chunk:
-        for k, layout in enumerate(params_l):
-            if len(layout.blocks) > 1 and not covers(layout.shape, layout.blocks):
-                raise UnsupportedOptimizerError(
-                    "this optimizer reduces within a leaf, so the host needs whole leaves, but "
-                    f"parameter leaf {k} is split across processes. Use window=1 (a one-step "
-                    "in-graph snapshot) for this optimizer in multi-process jobs.")
+        _refuse_split_leaves(params, opt_state, params_l, state_l, analysis,
+                             analysis.why_not_chunkable if not analysis.chunkable else
+                             "its state is laid out otherwise than its parameters")
     unit_rows, unit_row_bytes = [], []
     for k, layout in enumerate(params_l):
         owned = analysis.owned_state(k)
         units = -(-layout.rows // part_rows(layout)) if chunk else 1
-        total = layout.rows * layout.row_bytes + sum(state_l[j].rows * state_l[j].row_bytes for j in owned)
+        # Per device, not per process: every process must cut the same slices (the window
+        # steps are one program on all of them), and a process may keep several blocks of
+        # a leaf or none (a replicated leaf's replica 0 is on one process).
+        total = layout.rows * layout.block_row_bytes + sum(state_l[j].rows * state_l[j].block_row_bytes
+                                                           for j in owned)
         unit_rows.append(units)
         unit_row_bytes.append(max(total // units, 1))
     # A unit's gradient has its parameter's shape and dtype: what a window step ships of it.
     unit_bytes = sum(r * b for r, b in zip(unit_rows, unit_row_bytes))
-    grad_per_state = sum(l.rows * l.row_bytes for l in params_l) / max(unit_bytes, 1)
+    grad_per_state = sum(l.rows * l.block_row_bytes for l in params_l) / max(unit_bytes, 1)
     slicing = make_slicing(unit_rows, unit_row_bytes, window, chunk, grad_per_state)
     # Units back to rows; whole-leaf pieces cover all rows of the leaf.
     slicing = Slicing(tuple(tuple(_rows_of_units(params_l[p.leaf], p, chunk) for p in s) for s in slicing.slices))
@@ -287,6 +353,37 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
                        pack_max_bytes if pack_outbox else None, placements)
+
+
+def split_across_processes(layout: LeafLayout) -> bool:
+    """Whether the replica-0 blocks of a leaf lie on more than one process (decided from
+    the sharding alone, so every process decides alike)."""
+    owners, seen = set(), set()
+    for device, index in layout.sharding.devices_indices_map(layout.shape).items():
+        key = index_key(normalize_index(index, layout.shape))
+        if key not in seen:
+            seen.add(key)
+            owners.add(device.process_index)
+    return len(owners) > 1
+
+
+def _refuse_split_leaves(params, opt_state, params_l: list[LeafLayout], state_l: list[LeafLayout],
+                         analysis: UpdateAnalysis, why: str) -> None:
+    """Whole-leaf windows replay each unit on one process, which must then hold all of it:
+    a unit split across processes is refused at ``prepare``, naming the leaf and layout."""
+    names = [f"params{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+    state_names = [f"opt_state{jax.tree_util.keystr(p)}"
+                   for p, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+    for k, layout in enumerate(params_l):
+        members = [(names[k], layout)] + [(state_names[j], state_l[j]) for j in analysis.owned_state(k)]
+        for name, member in members:
+            if member.shape and split_across_processes(member):
+                raise UnsupportedOptimizerError(
+                    f"windows of more than one step replay this optimizer on whole leaves ({why}), so "
+                    f"one process must hold all of {name}, but it is placed as {_placement(member.sharding)} "
+                    "over several processes. Use window=1 (a one-step in-graph snapshot) with this "
+                    "optimizer and layout, or keep the leaf whole on each process (replicated, or "
+                    "sharded over the devices of one process only).")
 
 
 def _refuse_prng_keys(opt_state: Any, extras: Any) -> None:
@@ -314,25 +411,10 @@ def _refuse_prng_keys(opt_state: Any, extras: Any) -> None:
                 "jax.random.wrap_key_data after restore (the Linen and NNX doors do this for you).")
 
 
-PART_BYTES = 1 << 20  # per block: see part_rows
-
-
 def part_rows(layout: LeafLayout) -> int:
-    """The rows a row-chunked leaf is cut at multiples of (by slices and replay calls): about
-    :data:`PART_BYTES` of each block for leaves of 4x that or more, else single rows.
-
-    Why: the host copy hands each replayed leaf to storage as the rows each replay call
-    keeps. TensorStore writes a zarr chunk that one such part covers straight from it, but
-    assembles a chunk that two parts share in a copy: with cuts at any row, peak RSS was
-    ~0.7x the state higher (a 228 MiB state of 4 MiB leaves, K=3, through CheckpointStore,
-    whose 4 MiB chunks then each held several parts). Storage chunks by the parts' common
-    row grid when it is this coarse (``overlap_ckpt.storage.tree.chunk_shape_for``)."""
-    if not layout.shape or len(layout.blocks) == 0:
-        return 1
-    block_row = layout.row_bytes // len(layout.blocks)
-    if layout.rows * block_row < 4 * PART_BYTES:
-        return 1
-    return min(layout.rows, -(-PART_BYTES // max(block_row, 1)))
+    """The rows a row-chunked leaf is cut at multiples of (by slices and replay calls):
+    :func:`overlap_ckpt.hostarray.part_rows` of its device blocks, the same on every process."""
+    return hostarray_part_rows(layout.block_shape, layout.dtype.itemsize)
 
 
 def _rows_of_units(layout: LeafLayout, piece: Piece, chunk: bool) -> Piece:

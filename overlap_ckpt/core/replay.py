@@ -256,6 +256,8 @@ class WindowReplay:
 
         if len(keys) == 1:
             return part(keys[0])
+        if not keys:  # replica 0 of every block is on other processes: nothing of it is kept here
+            return np.zeros(self.programs.gathered(layout, rows).shape, layout.dtype)
         if not self.plan.chunked:
             out = np.empty(layout.shape, layout.dtype)
             for index, key in zip(layout.blocks, keys):

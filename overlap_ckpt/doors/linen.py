@@ -194,10 +194,17 @@ class LinenDoor:
     def prepared(self, state: TrainState) -> TrainState:
         """The state as the first step should get it: ``step`` an int32 device array (not
         ``create``'s Python 0, which would compile a variant of its own and save with a
-        platform-dependent dtype), every array committed (see :func:`committed`)."""
+        platform-dependent dtype), every array committed (see :func:`committed`).
+
+        A weakly typed counter (``create`` run under ``jax.jit`` returns ``step`` as a weak
+        int32, and ``step + 1`` keeps it weak) is made strong too, as a restore returns it:
+        the step's program converts a weak input, and XLA fused the loss otherwise, so the
+        first losses after a restore differed from the uninterrupted run's in the last bit."""
         step = state.step
         if not isinstance(step, jax.Array):
             state = state.replace(step=jax.numpy.asarray(step, dtype=jax.numpy.int32))
+        elif step.weak_type:
+            state = state.replace(step=step.astype(step.dtype))
         leaves = jax.tree.leaves(state.params)
         return committed(state, like=leaves[0] if leaves else None)
 

@@ -18,7 +18,7 @@ import jax
 import numpy as np
 
 from ..gil import yielding
-from ..hostarray import HostArray, HostShard, extent, normalize_index
+from ..hostarray import HostArray, HostShard, extent, normalize_index, part_rows, sharding_blocks
 
 KEY_SEQUENCE = 1
 KEY_DICT = 2
@@ -156,7 +156,7 @@ def _checked(host: HostArray, where: str) -> HostArray:
                              f"{extent(index)} {dtype} for a HostArray of shape {shape}.")
         shards.append(HostShard(index, data))
     blocks = None if host.blocks is None else tuple(normalize_index(b, shape) for b in host.blocks)
-    return HostArray(shape, dtype, shards, blocks)
+    return HostArray(shape, dtype, shards, blocks, host.sharding)
 
 
 # -- chunking ---------------------------------------------------------------------------
@@ -169,14 +169,32 @@ def chunk_shape_for(host: HostArray, chunk_bytes: int) -> tuple[int, ...]:
     Why: TensorStore writes a chunk that one part covers straight from the host copy, but
     assembles a chunk that several parts share in a copy it holds until the commit (the
     replay cuts its parts at coarse rows to allow this, see
-    :func:`overlap_ckpt.core.plan.part_rows`). Parts cut at any row would otherwise give
+    :func:`overlap_ckpt.hostarray.part_rows`). Parts cut at any row would otherwise give
     chunks of their rows' greatest common divisor, down to one row."""
     itemsize = host.dtype.itemsize
+    if host.sharding is not None and not host.sharding.is_fully_addressable:
+        return _agreed_chunk_shape(host, chunk_bytes)
     by_parts = choose_chunk_shape(host.shape, itemsize, [s.index for s in host.shards], chunk_bytes)
     if host.blocks is None:
         return by_parts
     by_blocks = choose_chunk_shape(host.shape, itemsize, host.blocks, chunk_bytes)
     return by_parts if 8 * math.prod(by_parts) >= math.prod(by_blocks) else by_blocks
+
+
+def _agreed_chunk_shape(host: HostArray, chunk_bytes: int) -> tuple[int, ...]:
+    """The chunk shape of a leaf several processes write: every process must declare the
+    same one (each writes the array's metadata into its own database, and the merge refuses
+    two), yet each holds other blocks and parts of it, or none. So it is found from what
+    all share: every block of the sharding, cut at the rows the host replay cuts parts at
+    (:func:`overlap_ckpt.hostarray.part_rows`, a function of the block), which also tiles
+    every process's parts."""
+    shape = tuple(host.shape)
+    if not shape:
+        return ()
+    blocks = sharding_blocks(shape, host.sharding)
+    step = part_rows(tuple(host.sharding.shard_shape(shape)), host.dtype.itemsize)
+    cut = [(slice(r, min(r + step, b[0].stop)), *b[1:]) for b in blocks for r in range(b[0].start, b[0].stop, step)]
+    return choose_chunk_shape(shape, host.dtype.itemsize, cut, chunk_bytes)
 
 
 def choose_chunk_shape(shape: Sequence[int], itemsize: int, shard_indices: Sequence[Sequence[slice]],

@@ -41,13 +41,14 @@ def env(devices: int) -> dict:
     return e
 
 
-def run_processes(cmds: list[list[str]], tmp_path, name: str) -> list[tuple[int, str]]:
-    """Run one process per command line together; returns (returncode, output) of each.
-    A process still running after TIMEOUT is killed (a hang fails, never blocks the suite)."""
+def run_processes(cmds: list[list[str]], tmp_path, name: str, devices: int = 2) -> list[tuple[int, str]]:
+    """Run one process per command line together, each with ``devices`` CPU devices; returns
+    (returncode, output) of each. A process still running after TIMEOUT is killed (a hang
+    fails, never blocks the suite)."""
     procs = []
     for pid, cmd in enumerate(cmds):
         log = open(tmp_path / f"log_{name}_{pid}.txt", "w+")
-        procs.append((subprocess.Popen(cmd, env=env(2), stdout=log, stderr=subprocess.STDOUT), log))
+        procs.append((subprocess.Popen(cmd, env=env(devices), stdout=log, stderr=subprocess.STDOUT), log))
     results = []
     try:
         for proc, log in procs:
