@@ -129,8 +129,22 @@ def placed_as(layout: LeafLayout, sharding: jax.sharding.Sharding) -> LeafLayout
                                blocks=tuple(replica0_blocks(layout.shape, sharding)))
 
 
+def refines(fine: jax.sharding.Sharding, coarse: jax.sharding.Sharding, shape: tuple[int, ...]) -> bool:
+    """Whether every device's block under ``fine`` lies in its block under ``coarse``: a
+    leaf placed by ``coarse`` is then resliced to ``fine`` on its own devices, no traffic."""
+    coarse_map = coarse.devices_indices_map(shape)
+    for device, index in fine.devices_indices_map(shape).items():
+        outer = coarse_map.get(device)
+        if outer is None:
+            return False
+        inner, outer = normalize_index(index, shape), normalize_index(outer, shape)
+        if any(i.start < o.start or i.stop > o.stop for i, o in zip(inner, outer)):
+            return False
+    return True
+
+
 def unit_layouts(params_l: list[LeafLayout], state_l: list[LeafLayout],
-                 analysis: UpdateAnalysis) -> tuple[list[LeafLayout], list[LeafLayout]]:
+                 analysis: UpdateAnalysis) -> tuple[list[LeafLayout], list[LeafLayout], list[int]]:
     """One capture layout per unit: a parameter and the optimizer-state leaves of its shape
     that it owns are captured placed alike.
 
@@ -141,11 +155,17 @@ def unit_layouts(params_l: list[LeafLayout], state_l: list[LeafLayout],
     of replicated parameters on purpose. The unit is captured in the layout of its member
     with the smallest blocks (the parameter's on a tie): the others are resliced to it in
     the window step, which is local when that layout refines theirs (a replicated or less
-    sharded leaf), and otherwise a collective XLA inserts. The live state keeps its own
-    placement; only the window's host copies follow the unit's layout, and storage keeps
-    global indices, so the checkpoint does not depend on it.
+    sharded leaf). The live state keeps its own placement; only the window's host copies
+    follow the unit's layout, and storage keeps global indices, so the checkpoint does not
+    depend on it.
+
+    Also returns the parameter leaves whose unit the chosen layout does not refine (an Adam
+    moment sharded on columns, its parameter on rows): XLA:CPU rounds the device's update of
+    such a unit otherwise than the host's replay of it on one layout (the parameter came
+    out up to 63 ulp off the live one), so :func:`make_plan` gives them a one-step window.
     """
     params_l, state_l = list(params_l), list(state_l)
+    mixed = []
     for k, param in enumerate(params_l):
         members = [j for j in analysis.owned_state(k) if state_l[j].shape == param.shape]
         candidates = [param, *(state_l[j] for j in members)]
@@ -155,10 +175,12 @@ def unit_layouts(params_l: list[LeafLayout], state_l: list[LeafLayout],
                 len({c.sharding.mesh for c in candidates}) != 1:
             continue  # not on one mesh: whole-leaf slices (see make_plan), as before
         chosen = min(candidates, key=lambda c: int(np.prod(c.block_shape))).sharding
+        if not all(refines(chosen, c.sharding, param.shape) for c in candidates):
+            mixed.append(k)
         params_l[k] = placed_as(param, chosen)
         for j in members:
             state_l[j] = placed_as(state_l[j], chosen)
-    return params_l, state_l
+    return params_l, state_l, mixed
 
 
 def _layouts(tree) -> tuple[Any, list[LeafLayout]]:
@@ -315,7 +337,15 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     if not params_l:
         raise TreeMismatchError("params has no array leaves; there is nothing to checkpoint.")
     analysis = analyze_update(update, params, opt_state)
-    params_l, state_l = unit_layouts(params_l, state_l, analysis)
+    params_l, state_l, mixed = unit_layouts(params_l, state_l, analysis)
+    if mixed and window > 1:
+        names = [f"params{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        log.warning("window of %d steps reduced to 1 (an in-graph snapshot, exact): %s and its optimizer state "
+                    "are sharded across each other (e.g. rows against columns), and the host cannot replay such "
+                    "an update bit for bit. Lay out each parameter's optimizer state like the parameter, "
+                    "replicated, or more finely on the same axes to keep multi-step windows.",
+                    window, ", ".join(names[k] for k in mixed))
+        window = 1
     chunk = analysis.chunkable if chunk_leaves is None else (chunk_leaves and analysis.chunkable)
     if chunk_leaves and not analysis.chunkable:
         log.info("whole-leaf slices: %s", analysis.why_not_chunkable)

@@ -19,7 +19,7 @@ import shutil
 import sys
 
 import pytest
-from hypothesis import HealthCheck, given, settings
+from hypothesis import HealthCheck, given, seed, settings
 
 from e2e.layouts import Case
 from e2e.layouts_strategy import cases
@@ -123,6 +123,11 @@ REGRESSIONS = {
     "out_shardings_from_state": (Case((2,), FSDP, tuple(FSDP) * 2, step="keep"), 2, 1),
     # the local tier could not restart: "Missing data for array 'opt_state.1.0.mu.l1.b'"
     "replicated_biases_local_tier": (Case((2,), FSDP, tuple(FSDP) * 2, replicas=1), 2, 1),
+    # found by the fuzz test: moments sharded on columns, parameters on rows; the checkpoint
+    # was up to 63 ulp off the snapshot (now a one-step window)
+    "crossed_moment_layouts": (Case((2,), [["a"], ["a"], [], ["a"], [], [None, "a"]],
+                                    [["a"], [None, "a"], ["a"], [None, "a"], [], ["a"],
+                                     [], ["a"], ["a"], ["a"], [], ["a"]], step="keep"), 2, 1),
     "four_processes_2d_mesh": (Case((2, 2), [[], ["a", "b"], ["b"], ["a", None], [], [None, "b"]],
                                     tuple([[], ["a", "b"], ["b"], ["a", None], [], [None, "b"]]) * 2,
                                     create="jit_out", step="keep", replicas=1), 4, 1),
@@ -137,6 +142,8 @@ def test_layout_regression(tmp_path, name):
 
 
 @pytest.mark.slow
+@seed(3)  # CI's fast subset: fixed draws (the simplest job, then 2 processes x 2 devices on a 2-D mesh
+# with crossed per-leaf specs); fuzz_layouts.py draws as many as asked, from any seed
 @settings(max_examples=2, deadline=None, suppress_health_check=list(HealthCheck), database=None,
           print_blob=True)
 @given(drawn=cases())
@@ -156,3 +163,49 @@ def test_whole_leaf_optimizer_on_leaves_split_over_processes_is_refused_at_prepa
     for log in logs:
         assert "UnsupportedOptimizerError" in log and "params['l0']['w']" in log, log[-3000:]
         assert "PartitionSpec('a',)" in log or "PartitionSpec('a', None)" in log, log[-3000:]
+
+
+KNOWN_INEXACT = r'''
+import functools, json, sys, tempfile
+import jax, numpy as np
+from jax.sharding import NamedSharding, PartitionSpec as P
+from e2e.layouts import Case, batch, loss_fn, make_params
+import overlap_ckpt as oc
+case = Case.from_json(sys.argv[1])
+mesh = case.mesh()
+replicated = NamedSharding(mesh, P())
+with oc.CheckpointManager(tempfile.mkdtemp(), save_interval_steps=case.durable_every, window=case.window) as mngr:
+    state = mngr.prepare(case.create_state(make_params(), mesh))
+    keep = jax.tree.map(lambda x: x.sharding, state)
+
+    @functools.partial(jax.jit, donate_argnums=0, out_shardings=(keep, replicated))
+    def train_step(state, x, y):
+        loss, grads = jax.value_and_grad(loss_fn)(state.params, x, y)
+        return state.apply_gradients(grads=grads), loss
+
+    for t in range(7):
+        if t == 6:
+            snapshot = jax.tree.leaves(jax.device_get((state.params, state.opt_state)))
+        state, _ = train_step(state, *(jax.device_put(a, replicated) for a in batch(t)))
+        state = mngr.step(state)
+    mngr.wait_until_finished()
+    tree = mngr.restore(step=6)
+restored = jax.tree.leaves((tree["params"], tree["opt_state"]))
+print("DIFFER", [i for i, (a, b) in enumerate(zip(snapshot, restored)) if np.asarray(a).tobytes() != np.asarray(b).tobytes()])
+'''
+
+
+@pytest.mark.xfail(strict=True, reason="open: with out_shardings from the state and clip_by_global_norm, the "
+                   "replicated first kernel's Adam mu is replayed up to 154 ulp off the live one (found by "
+                   "the fuzz test; a one-step window is exact)")
+def test_known_inexact_replay_clip_with_out_shardings(tmp_path):
+    """A layout the fuzz test found whose multi-step checkpoint is not bitwise yet: kept here,
+    strict, so that the fix shows (single process, 4 CPU devices, the same case)."""
+    from conftest import REPO, run_python
+
+    case = Case((4,), [["a"], [], [], ["a"], ["a"], [None, "a"]], (), chain="clip_adamw", create="jit", step="keep")
+    code = (f"import sys; sys.path.insert(0, {os.path.join(REPO, 'tests')!r}); sys.argv[1:] = [{case.to_json()!r}]\n"
+            + KNOWN_INEXACT)
+    result = run_python(code, devices=4)
+    assert "DIFFER" in result.stdout, result.stderr[-3000:]
+    assert "DIFFER []" in result.stdout, result.stdout[-2000:]
