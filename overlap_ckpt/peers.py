@@ -10,19 +10,22 @@ reads back, it was written by process ``j`` of a job of this size and every file
 size it had on ``j``. A restore then finds every process's shards of a step in some
 process's local tier as long as no R+1 consecutive processes are lost.
 
-Transport: jax.distributed's key-value store (the coordination service the job already
-runs), with bytes values. A committed step directory travels as a tar archive in parts of
-4 MiB (twice as fast as 64 MiB parts through the service, measured), with its sha256
-checked on arrival. Why not jax's CPU collectives: a collective issued from a background
+Transport (:mod:`overlap_ckpt.replica_transport`): a committed step directory travels as a
+tar archive, its bytes peer to peer through ``jax.experimental.transfer`` (a socket server
+per process, on the CPU backend's client: the receiver pulls the archive straight from the
+sender), with its sha256 checked on arrival. jax.distributed's key-value store (the
+coordination service the job already runs) carries only small messages: each process's
+server address, the head of each message (size, sha256, pull ids), the acknowledgements.
+Where a process's transfer server cannot start (logged), messages from and to it carry
+their bytes through the key-value store instead, in parts of 4 MiB: every byte then passes
+through the coordinator (process 0), at about 35 MB/s on a 2-core machine.
+Why not jax's CPU collectives: a collective issued from a background
 thread may be launched before the training step's own collectives on one process and after
 them on another (the CPU client runs one collective program at a time: a deadlock when
 training runs on the CPU backend), and one issued from the training thread would stall
-training for the whole transfer. Key-value calls are plain
-RPCs, safe from any thread. The cost: the bytes pass through the coordinator (process 0),
-which holds at most one step per sending process at a time (deleted once every holder has
-acknowledged it), and its throughput is modest (about 35 MB/s on a 2-core machine, measured
-with 256 MiB): fine for shards of up to a few hundred MB per process, replicated in the
-background; GB-scale shards per process need a bulk point-to-point transport.
+training for the whole transfer. Key-value calls (RPCs) and pulls (socket reads) are safe
+from any thread, and every wait on a peer is bounded (``TIMEOUT_S``), with an error that
+names the peer.
 
 Replication runs in the background: after a local step commits, a sender thread publishes
 the newest committed step not yet on the holders and waits for their acknowledgements, then
@@ -47,6 +50,7 @@ import threading
 import time
 from typing import Any, Callable
 
+from .replica_transport import BulkTransport, Chunks
 from .storage import CheckpointError, CorruptCheckpointError, commit, layout, restore
 from .storage.coordination import is_timeout
 from .storage.location import LocalLocation
@@ -104,13 +108,14 @@ def pack(location: LocalLocation, step: int) -> bytes:
     return buffer.getvalue()
 
 
-def install(location: LocalLocation, step: int, archive: bytes) -> None:
-    """Write :func:`pack`'s archive as committed step ``step`` of ``location``, atomically
-    (replacing a committed step of that number, which a restarted job writes again)."""
+def install(location: LocalLocation, step: int, archive: bytes | Chunks) -> None:
+    """Write :func:`pack`'s archive (as packed, or as received) as committed step ``step``
+    of ``location``, atomically (replacing a committed step of that number, which a
+    restarted job writes again)."""
     work, name = commit.working_dir(location, step), layout.step_dir(step)
     commit.delete_incomplete(location, step)
     sizes = {}
-    with tarfile.open(fileobj=io.BytesIO(archive)) as tar:
+    with tarfile.open(fileobj=archive.reader() if isinstance(archive, Chunks) else io.BytesIO(archive)) as tar:
         for member in tar:
             top, _, rel = member.name.partition("/")
             if top != name or (not member.isdir() and not member.isfile()):
@@ -130,28 +135,42 @@ def install(location: LocalLocation, step: int, archive: bytes) -> None:
 
 
 class Channel:
-    """Bytes from one process to others through jax.distributed's key-value store: a
-    message is its parts, then a head (size, sha256, the sender's fields), then one
-    acknowledgement per receiver; the sender deletes it once acknowledged."""
+    """Messages from one process to others: a head (size, sha256, the sender's fields)
+    through jax.distributed's key-value store, the bytes peer to peer
+    (:class:`~overlap_ckpt.replica_transport.BulkTransport`), then one acknowledgement per
+    receiver through the store; the sender drops the message once acknowledged.
 
-    def __init__(self, client: Any, prefix: str, process_index: int):
+    The bytes go through the key-value store instead, in parts of 4 MiB, only where the
+    sender or a receiver has no transfer server (it could not start: logged), or with
+    ``bulk=False`` (the benchmark's comparison)."""
+
+    def __init__(self, client: Any, prefix: str, process_index: int, *, bulk: bool = True):
         self._client = client
         self._prefix = prefix
         self._me = process_index
+        self._bulk = BulkTransport(client, prefix, process_index, enabled=bulk)
 
-    def send(self, key: str, data: bytes, **fields: Any) -> None:
+    def send(self, key: str, data: bytes, receivers: list[int], **fields: Any) -> None:
+        """Offer ``data`` to ``receivers``, then publish its head (a message sent again
+        under ``key`` replaces the earlier one)."""
         base = f"{self._prefix}/{key}"
-        parts = max(1, -(-len(data) // _PART_BYTES))
-        view = memoryview(data)
-        for n in range(parts):
-            self._client.key_value_set_bytes(f"{base}/part/{n}", bytes(view[n * _PART_BYTES:(n + 1) * _PART_BYTES]),
-                                             allow_overwrite=True)
-        head = {**fields, "parts": parts, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        head = {**fields, "from": self._me, "nbytes": len(data), "sha256": hashlib.sha256(data).hexdigest()}
+        if self._bulk.reaches(receivers, TIMEOUT_S):
+            # Offered for twice the acknowledgement timeout: never pulled, it expires by itself.
+            head["bulk"] = self._bulk.offer(key, data, receivers, 2 * TIMEOUT_S)
+        else:
+            head["parts"] = max(1, -(-len(data) // _PART_BYTES))
+            view = memoryview(data)
+            for n in range(head["parts"]):
+                self._client.key_value_set_bytes(f"{base}/part/{n}",
+                                                 bytes(view[n * _PART_BYTES:(n + 1) * _PART_BYTES]),
+                                                 allow_overwrite=True)
         self._client.key_value_set(f"{base}/head", json.dumps(head), allow_overwrite=True)
 
-    def receive(self, key: str, timeout_ms: int) -> tuple[dict, bytes]:
+    def receive(self, key: str, timeout_ms: int) -> tuple[dict, bytes | Chunks]:
         """The message ``key``: raises ``TimeoutError`` if no head arrives within
-        ``timeout_ms``, :class:`CheckpointError` if the bytes are not the ones sent."""
+        ``timeout_ms``, :class:`CheckpointError` if its bytes do not arrive within
+        ``TIMEOUT_S`` or are not the ones sent."""
         base = f"{self._prefix}/{key}"
         try:
             head = json.loads(self._client.blocking_key_value_get(f"{base}/head", timeout_ms))
@@ -159,11 +178,16 @@ class Channel:
             if is_timeout(e):
                 raise TimeoutError(f"no message {key!r} within {timeout_ms} ms") from e
             raise
-        data = b"".join(self._client.blocking_key_value_get_bytes(f"{base}/part/{n}", timeout_ms)
-                        for n in range(head["parts"]))
-        if len(data) != head["nbytes"] or hashlib.sha256(data).hexdigest() != head["sha256"]:
-            raise CheckpointError(f"the bytes of {key!r} arrived damaged ({len(data)} of {head['nbytes']} "
-                                  "bytes, or a different sha256)")
+        digest = hashlib.sha256()
+        if "bulk" in head:
+            data = self._bulk.fetch(head["from"], head["bulk"], head["nbytes"], TIMEOUT_S, digest)
+        else:
+            data = b"".join(self._client.blocking_key_value_get_bytes(f"{base}/part/{n}", timeout_ms)
+                            for n in range(head["parts"]))
+            digest.update(data)
+        if len(data) != head["nbytes"] or digest.hexdigest() != head["sha256"]:
+            raise CheckpointError(f"the bytes of {key!r} from process {head['from']} arrived damaged "
+                                  f"({len(data)} of {head['nbytes']} bytes, or a different sha256)")
         return head, data
 
     def ack(self, key: str, error: str | None = None) -> None:
@@ -199,6 +223,7 @@ class Channel:
                         answers[p] = None
                     elif time.monotonic() > deadline or (stop is not None and stop.is_set()):
                         answers[p] = f"process {p} did not acknowledge within {timeout_s:.0f} s"
+        self._bulk.release(key)
         try:
             self._client.key_value_delete(f"{base}/")
         except Exception:  # noqa: BLE001 - the service may be going away with the job
@@ -322,7 +347,7 @@ class PeerReplicas:
             log.info("local step %d was retired before its replicas were sent", step)
             return True
         key = f"ring/{self.process_index}/{self._sequence}"  # the receivers take them in sequence
-        self._channel.send(key, data, step=step)  # a send that failed is retried under the same key
+        self._channel.send(key, data, self.holders, step=step)  # a send that failed is retried under the same key
         self._sequence += 1
         answers = self._channel.wait_acks(key, self.holders, TIMEOUT_S, self._stop)
         failed = {p: a for p, a in answers.items() if a}
@@ -362,7 +387,7 @@ class PeerReplicas:
             else:
                 self._channel.ack(key)
 
-    def _keep(self, source: int, step: int, data: bytes) -> None:
+    def _keep(self, source: int, step: int, data: bytes | Chunks) -> None:
         location = self.held[source]
         install(location, step, data)
         for old in commit.list_steps(location).complete[:-self._max_to_keep]:
@@ -396,7 +421,7 @@ class PeerReplicas:
         me = self.process_index
         outgoing = [p for p, q in sorted(sources.items()) if q == me and p != me]
         for p in outgoing:
-            self._channel.send(f"restore/{agreement}/{p}", pack(self.held[p], step), step=step)
+            self._channel.send(f"restore/{agreement}/{p}", pack(self.held[p], step), [p], step=step)
         if sources[me] != me:
             key = f"restore/{agreement}/{me}"
             try:

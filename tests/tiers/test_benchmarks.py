@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from benchmarks import bench_tiers, goodput_model
+from benchmarks import bench_replicas, bench_tiers, goodput_model
 
 A = goodput_model.Assumptions
 
@@ -27,3 +27,13 @@ def test_bench_tiers_smoke(tmp_path):
     assert set(report["restore"]) == {"local", "durable_warm", "durable_cold"}
     assert set(report["persist"]) == {"local", "durable"}
     assert all(v["median_s"] > 0 for v in report["restore"].values())
+
+
+def test_bench_replicas_smoke():
+    report = bench_replicas.main(["--mib", "1", "--rounds", "1", "--processes", "2", "--timeout", "50"])
+    assert set(report["mb_per_s"]) == {"pair/bulk", "pair/kv", "ring/bulk", "ring/kv", "memcpy/memcpy"}
+    assert all(v["median"] > 0 for v in report["mb_per_s"].values())
+    # The key-value path relays each message through the store (set and read: twice its
+    # bytes); the bulk path puts only heads and acknowledgements there.
+    assert report["kv_store_bytes_per_phase"]["pair/kv"]["median"] >= 2 << 20
+    assert report["kv_store_bytes_per_phase"]["pair/bulk"]["median"] < 4096

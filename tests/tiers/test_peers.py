@@ -2,8 +2,9 @@
 is listed only when whole, and the key-value channel delivers bytes intact or refuses them.
 
 The transport between real processes (jax.distributed) is exercised by
-tests/tiers/test_multiprocess.py; here a dict stands in for the coordination service's
-key-value store, to check the parts, digest and acknowledgement logic on its own.
+tests/tiers/test_multiprocess.py and tests/tiers/test_replica_transport.py; here a dict stands
+in for the coordination service's key-value store, to check the parts, digest and
+acknowledgement logic on its own.
 """
 
 from __future__ import annotations
@@ -105,20 +106,21 @@ class FakeKeyValueStore:
         self.values = {k: v for k, v in self.values.items() if not k.startswith(prefix)}
 
 
-def test_the_channel_delivers_in_parts_and_refuses_damaged_bytes(monkeypatch):
+def test_the_key_value_channel_delivers_in_parts_and_refuses_damaged_bytes(monkeypatch):
+    """The key-value path (a process without a transfer server; bulk=False here)."""
     monkeypatch.setattr(peers, "_PART_BYTES", 10)
     kv = FakeKeyValueStore()
-    sender, receiver = peers.Channel(kv, "ns", 0), peers.Channel(kv, "ns", 1)
+    sender, receiver = peers.Channel(kv, "ns", 0, bulk=False), peers.Channel(kv, "ns", 1, bulk=False)
     payload = bytes(range(45))
-    sender.send("m", payload, step=8)
+    sender.send("m", payload, [1], step=8)
     assert len([k for k in kv.values if "/part/" in k]) == 5
     head, data = receiver.receive("m", 10)
     assert data == payload and head["step"] == 8
     receiver.ack("m")
     assert sender.wait_acks("m", [1], timeout_s=1) == {1: ""}
-    assert kv.values == {}  # deleted once acknowledged
+    assert set(kv.values) == {"ns/bulk/0", "ns/bulk/1"}  # the message deleted once acknowledged
 
-    sender.send("n", payload, step=10)
+    sender.send("n", payload, [1], step=10)
     kv.values["ns/n/part/2"] = b"X" * 10  # damaged on the way
     with pytest.raises(CheckpointError, match="arrived damaged"):
         receiver.receive("n", 10)
@@ -142,9 +144,9 @@ def test_a_sender_that_fell_behind_sends_every_kept_step_newest_first(tmp_path):
     sent = []
     channel_send = peers.Channel.send
 
-    def record(channel, key, data, **fields):
+    def record(channel, key, data, receivers, **fields):
         sent.append(fields["step"])
-        channel_send(channel, key, data, **fields)
+        channel_send(channel, key, data, receivers, **fields)
 
     def replicas(index, own_dir):
         return peers.PeerReplicas(kv, "ns", process_index=index, process_count=2, replicas=1, own_dir=own_dir,
