@@ -74,14 +74,22 @@ def part_rows(block_shape: Sequence[int], itemsize: int) -> int:
     return min(rows, -(-PART_BYTES // max(block_row, 1)))
 
 
-def sharding_blocks(shape: Sequence[int], sharding: Any) -> list[Index]:
-    """Every distinct block of an array of ``shape`` placed by the jax ``sharding``, on all
-    processes (the same list everywhere), in index order."""
-    blocks = {}
-    for index in sharding.devices_indices_map(tuple(shape)).values():
+def replica0_owners(shape: Sequence[int], sharding: Any) -> list[tuple[Index, int]]:
+    """Every distinct block of an array of ``shape`` placed by the jax ``sharding`` with the
+    process that holds its replica 0, in index order: the same list on every process (jax
+    numbers the replicas of a block in the order of ``devices_indices_map``, so replica 0
+    is the first device listed for it)."""
+    owners: dict[IndexKey, tuple[Index, int]] = {}
+    for device, index in sharding.devices_indices_map(tuple(shape)).items():
         index = normalize_index(index, shape)
-        blocks[index_key(index)] = index
-    return [blocks[k] for k in sorted(blocks)]
+        owners.setdefault(index_key(index), (index, device.process_index))
+    return [owners[k] for k in sorted(owners)]
+
+
+def sharding_blocks(shape: Sequence[int], sharding: Any) -> list[Index]:
+    """Every distinct block of an array of ``shape`` placed by ``sharding``, on all
+    processes, in index order."""
+    return [index for index, _ in replica0_owners(shape, sharding)]
 
 
 def is_prng_key(x: Any) -> bool:

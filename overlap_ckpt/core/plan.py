@@ -16,7 +16,7 @@ import numpy as np
 import optax
 
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
-from ..hostarray import index_key, is_prng_key, local_blocks, normalize_index
+from ..hostarray import index_key, is_prng_key, local_blocks, normalize_index, replica0_owners
 from ..hostarray import part_rows as hostarray_part_rows
 from . import backend
 from .packing import TPU_PACK_MAX_BYTES, packable
@@ -55,8 +55,7 @@ class LeafLayout:
 
     @property
     def row_bytes(self) -> int:
-        per_row = int(np.prod(self.block_shape[1:])) if self.block_shape else 1
-        return per_row * np.dtype(self.dtype).itemsize * max(len(self.blocks), 1)
+        return self.block_row_bytes * max(len(self.blocks), 1)
 
     def block_of(self, out_index: tuple[slice, ...], piece: Piece) -> tuple[slice, ...]:
         """The block a captured shard of ``piece`` belongs to (see :mod:`capture`)."""
@@ -108,19 +107,8 @@ def abstract_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> 
 def replica0_blocks(shape: tuple[int, ...], sharding: jax.sharding.Sharding) -> list[tuple[slice, ...]]:
     """The distinct blocks of an array of ``shape`` placed by ``sharding`` whose replica 0
     this process holds: the blocks :func:`overlap_ckpt.hostarray.local_blocks` yields for a
-    concrete array so placed (jax numbers the replicas of a block in the order of
-    ``devices_indices_map``)."""
-    seen: set = set()
-    mine = []
-    for device, index in sharding.devices_indices_map(shape).items():
-        index = normalize_index(index, shape)
-        key = index_key(index)
-        if key in seen:
-            continue
-        seen.add(key)
-        if device.process_index == jax.process_index():
-            mine.append(index)
-    return sorted(mine, key=index_key)
+    concrete array so placed."""
+    return [index for index, process in replica0_owners(shape, sharding) if process == jax.process_index()]
 
 
 def placed_as(layout: LeafLayout, sharding: jax.sharding.Sharding) -> LeafLayout:
@@ -339,7 +327,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     analysis = analyze_update(update, params, opt_state)
     params_l, state_l, mixed = unit_layouts(params_l, state_l, analysis)
     if mixed and window > 1:
-        names = [f"params{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
+        names = _leaf_names("params", params)
         log.warning("window of %d steps reduced to 1 (an in-graph snapshot, exact): %s and its optimizer state "
                     "are sharded across each other (e.g. rows against columns), and the host cannot replay such "
                     "an update bit for bit. Lay out each parameter's optimizer state like the parameter, "
@@ -385,25 +373,22 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
                        pack_max_bytes if pack_outbox else None, placements)
 
 
+def _leaf_names(prefix: str, tree: Any) -> list[str]:
+    """Each leaf of ``tree`` as a user writes it (``params['l0']['w']``), in tree order."""
+    return [f"{prefix}{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(tree)[0]]
+
+
 def split_across_processes(layout: LeafLayout) -> bool:
     """Whether the replica-0 blocks of a leaf lie on more than one process (decided from
     the sharding alone, so every process decides alike)."""
-    owners, seen = set(), set()
-    for device, index in layout.sharding.devices_indices_map(layout.shape).items():
-        key = index_key(normalize_index(index, layout.shape))
-        if key not in seen:
-            seen.add(key)
-            owners.add(device.process_index)
-    return len(owners) > 1
+    return len({process for _, process in replica0_owners(layout.shape, layout.sharding)}) > 1
 
 
 def _refuse_split_leaves(params, opt_state, params_l: list[LeafLayout], state_l: list[LeafLayout],
                          analysis: UpdateAnalysis, why: str) -> None:
     """Whole-leaf windows replay each unit on one process, which must then hold all of it:
     a unit split across processes is refused at ``prepare``, naming the leaf and layout."""
-    names = [f"params{jax.tree_util.keystr(p)}" for p, _ in jax.tree_util.tree_flatten_with_path(params)[0]]
-    state_names = [f"opt_state{jax.tree_util.keystr(p)}"
-                   for p, _ in jax.tree_util.tree_flatten_with_path(opt_state)[0]]
+    names, state_names = _leaf_names("params", params), _leaf_names("opt_state", opt_state)
     for k, layout in enumerate(params_l):
         members = [(names[k], layout)] + [(state_names[j], state_l[j]) for j in analysis.owned_state(k)]
         for name, member in members:
