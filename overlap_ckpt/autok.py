@@ -106,13 +106,16 @@ class AutoWindow:
 
 
 def choose_window(step_time_s: float, d2h_bytes_per_s: float, state_bytes: float, grad_bytes: float,
-                  persist_bytes_per_s: float, interval_steps: int) -> int:
+                  persist_bytes_per_s: float, interval_steps: int,
+                  overlappable_fraction: float = costmodel.TrainingProfile.overlappable_fraction) -> int:
     """K for a step of ``step_time_s`` seconds: the one rule behind ``window="auto"``,
     whether the step time was measured on the device (:class:`AutoWindow`) or predicted
-    from the compiled program for a target (:mod:`overlap_ckpt.aot.predict`)."""
+    from the compiled program for a target (:mod:`overlap_ckpt.aot.predict`, which passes
+    the fraction of the step its compiled copies hide under)."""
     profile = costmodel.TrainingProfile(step_time_s=step_time_s, d2h_bytes_per_s=d2h_bytes_per_s,
                                         state_bytes=state_bytes, grad_bytes=grad_bytes,
-                                        persist_bytes_per_s=persist_bytes_per_s)
+                                        persist_bytes_per_s=persist_bytes_per_s,
+                                        overlappable_fraction=overlappable_fraction)
     return costmodel.choose_k(profile, interval_steps=interval_steps)
 
 

@@ -21,12 +21,12 @@ from .window import WindowReport, compiled_phases
 MAX_K = 16
 
 
-def best_k(report: WindowReport, cost: predict.StepCost) -> int:
-    """The K of least predicted stall (the cost model's, with every copy overlapped)."""
+def best_k(report: WindowReport, cost: predict.StepCost, f: float = predict.OVERLAPPABLE_FRACTION) -> int:
+    """The K of least predicted stall (the cost model's, copies hiding under ``f`` of a step)."""
     profile = costmodel.TrainingProfile(
         step_time_s=cost.step_time_s, d2h_bytes_per_s=report.target.host_link_bytes_per_s,
         state_bytes=predict.state_bytes_per_device(report), grad_bytes=predict.grad_bytes_per_device(report),
-        persist_bytes_per_s=predict.BACKGROUND_BYTES_PER_S, overlappable_fraction=predict.OVERLAPPABLE_FRACTION)
+        persist_bytes_per_s=predict.BACKGROUND_BYTES_PER_S, overlappable_fraction=f)
     return costmodel.choose_k(profile, max_k=MAX_K)
 
 
@@ -43,16 +43,24 @@ class AotRun:
     windows: dict[int, WindowReport] = dataclasses.field(default_factory=dict)
     # K -> its phases' executables, kept only where they will run (a gpu target, measured)
     phase_programs: dict[int, tuple[jax.stages.Compiled, ...]] = dataclasses.field(default_factory=dict)
+    # The fraction of a step K=1's compiled copies hide under (predict.schedule_fraction)
+    hide_fraction: float | None = None
 
     def notes(self) -> list[str]:
         setup, target, plain = self.setup, self.probe.target, self.probe.plain
         hint = setup.train_flops() / len(target.devices)
-        flops = (f"flops per device: {hint:.3g} by the 6N-per-token estimate, {plain.flops:.3g} by the "
-                 "compiler's cost analysis" if plain.flops else
-                 f"flops per device: {hint:.3g} by the 6N-per-token estimate (no cost analysis from this compiler)")
+        flops = (f"flops per device: {hint:.3g} by the 6N-per-token estimate, {plain.matmul_flops:.3g} in the "
+                 "scheduled program's matmuls, "
+                 + (f"{plain.flops:.3g} by the compiler's cost analysis" if plain.flops else
+                    "no cost analysis from this compiler"))
         return [f"model: {setup.config.num_params() / 1e6:.0f}M parameters, bf16 compute, f32 params and Adam "
                 f"moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, FSDP over "
                 f"{len(target.devices)} device(s)", flops,
+                *([] if not any("auto" in why for why in self.labels.values()) else [
+                    "window=\"auto\" and the best K chosen with copies hiding under "
+                    + (f"{self.hide_fraction:.0%} of a step, the share of the step's matmul flops K=1's compiled "
+                       "copies transfer under" if self.hide_fraction is not None else
+                       f"{predict.OVERLAPPABLE_FRACTION:.0%} of a step (no matmuls to read the schedule by)")]),
                 f"compiled on this machine from abstract inputs in {time.perf_counter() - self.started:.0f} s"]
 
     def markdown(self, model: str, intervals: list[int]) -> str:
@@ -74,7 +82,9 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
     run = _start(target, model, ks, intervals, batch_per_device, log)
     lower = lower_with(run.setup)
     keep = measure and target.platform == "gpu"
-    for k in sorted(run.labels):
+    pending = sorted(run.labels)
+    while pending:
+        k = pending.pop(0)
         plan = run.probe.plan if k == 1 else plan_window(run.setup, k)
         compiled = list(compiled_phases(lower, plan))
         run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=tuple(r for r, _ in compiled))
@@ -82,6 +92,9 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
             run.phase_programs[plan.k] = tuple(program for _, program in compiled)
         run.labels.setdefault(plan.k, run.labels[k])
         log(f"K={plan.k}: {plan.k} phases compiled")
+        if ks is None and k == 1:  # auto and best K read the schedule K=1 got
+            _choose_from_schedule(run, intervals)
+            pending = sorted(set(run.labels) - set(run.windows) - {k})
         on_progress(run.markdown(model, list(intervals)))
     text = run.markdown(model, list(intervals))
     if measure and target.platform == "cpu":
@@ -105,8 +118,18 @@ def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log
     cost = predict.step_cost(probe, setup.train_flops() / len(target.devices))
     if ks is not None:
         return AotRun(setup, probe, cost, {k: "given" for k in ks}, started, plain_program)
-    labels = {1: ["1"]}
-    for k, why in [*((predict.auto_k(probe, cost, n), f"auto at N={n}") for n in intervals),
-                   (best_k(probe, cost), "best")]:
+    return AotRun(setup, probe, cost, {1: "1"}, started, plain_program)
+
+
+def _choose_from_schedule(run: AotRun, intervals) -> None:
+    """Add the K that ``window="auto"`` picks at each interval and the best K, from the
+    fraction of a step K=1's compiled copies hide under (the cost model's constant where
+    its programs have no matmuls to tell by)."""
+    window = run.windows[1]
+    run.hide_fraction = predict.schedule_fraction(window)
+    f = predict.OVERLAPPABLE_FRACTION if run.hide_fraction is None else run.hide_fraction
+    labels: dict[int, list[str]] = {1: [run.labels[1]]}
+    for k, why in [*((predict.auto_k(window, run.cost, n, f), f"auto at N={n}") for n in intervals),
+                   (best_k(window, run.cost, f), "best")]:
         labels.setdefault(k, []).append(why)
-    return AotRun(setup, probe, cost, {k: ", ".join(whys) for k, whys in labels.items()}, started, plain_program)
+    run.labels = {k: ", ".join(whys) for k, whys in labels.items()}

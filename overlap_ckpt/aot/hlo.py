@@ -11,7 +11,9 @@ with nothing between, stalls the step for the whole transfer.
 from __future__ import annotations
 
 import dataclasses
+import functools
 import re
+from typing import Sequence
 
 import numpy as np
 
@@ -34,6 +36,13 @@ _QUEUE = re.compile(r'"operation_queue_id":"(\d+)"')
 # newer XLA (jax 0.11) writes "allocation 549: size 262293024, page 0, preallocated-temp:".
 _TEMP_ALLOCATION = re.compile(r"^allocation \d+: size (\d+), ((?:[a-z]+ \d+, )*)preallocated-temp:", re.M)
 _COLOR = re.compile(r"\bcolor (\d+)")
+# What a fusion, call, loop or conditional runs: the computations it names.
+_CALLED = re.compile(r"\b(?:calls|to_apply|body|branch_computations)=\{?((?:%[\w.\-]+(?:, )?)+)\}?")
+_TRIP_COUNT = re.compile(r'"known_trip_count":\{"n":"(\d+)"')
+_CONTRACTING = re.compile(r"\blhs_contracting_dims=\{([0-9,]*)\}")
+_TARGET = re.compile(r'custom_call_target="([^"]*)"')
+_DIM_LABELS = re.compile(r"\bdim_labels=\w+_(\w+)->")
+_GEMM_CONTRACTING = re.compile(r'"lhs_contracting_dimensions":\[([^\]]*)\]')
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,6 +70,8 @@ class HostCopy:
     compute_between: int  # compute instructions scheduled between start and done
     compute_before: int = 0  # compute instructions scheduled before the start
     name: str = ""  # the copy-start's (or the blocking copy's) instruction name
+    flops_before: float = 0.0  # the step's matmul flops scheduled before the start
+    flops_between: float = 0.0  # ... between the start and the done (what the copy can hide under)
 
     @property
     def overlapped(self) -> bool:
@@ -89,6 +100,99 @@ def entry_instructions(hlo_text: str) -> list[Instruction]:
         if parsed is not None:
             out.append(parsed)
     return out
+
+
+def computations(hlo_text: str) -> dict[str, list[Instruction]]:
+    """Every computation of the module by name (the entry's too), its instructions in order."""
+    out: dict[str, list[Instruction]] = {}
+    current: list[Instruction] | None = None
+    for line in hlo_text.splitlines():
+        if line.endswith("{") and line[:1] not in ("", " ") and not line.startswith("HloModule"):
+            name = line.removeprefix("ENTRY ").split(" ", 1)[0].lstrip("%")
+            current = out.setdefault(name, [])
+        elif line.startswith("}"):
+            current = None
+        elif current is not None:
+            parsed = _parse(line)
+            if parsed is not None:
+                current.append(parsed)
+    return out
+
+
+def scheduled_flops(hlo_text: str) -> list[float]:
+    """The matmul flops of each instruction of the entry computation, in schedule order
+    (:func:`entry_instructions`): its dots and library GEMMs, those of the fusions, loops
+    (times their known trip count) and calls it runs included.
+
+    Why matmuls only: where a copy starts is worth the step's time after it, and a train
+    step's time is its matmuls' (a transformer's elementwise work is a few percent of its
+    flops); counting instructions instead gives a layer norm the weight of a 2 GFLOP
+    projection. A program without matmuls gets zeros (the caller falls back to counts)."""
+    comps = computations(hlo_text)
+
+    @functools.lru_cache(maxsize=None)
+    def computation_flops(name: str) -> float:
+        instructions = comps.get(name, [])
+        shapes = {i.name: i.shape for i in instructions}
+        return sum(instruction_flops(i, shapes, computation_flops) for i in instructions)
+
+    entry = entry_instructions(hlo_text)
+    shapes = {i.name: i.shape for i in entry}
+    return [instruction_flops(i, shapes, computation_flops) for i in entry]
+
+
+def instruction_flops(ins: Instruction, shapes: dict[str, str], computation_flops) -> float:
+    """Flops of one instruction: ``2 * output elements * contracted size`` for a dot or a
+    GEMM library call (operand shapes from ``shapes``, the instruction's computation), the
+    computations it calls for the others (a loop's body times its known trip count, the
+    dearest branch of a conditional)."""
+    if ins.opcode == "convolution":  # XLA:TPU writes its matmuls as convolutions
+        return 2.0 * _elements(ins.shape) * _convolution_window(ins, shapes)
+    if ins.opcode == "dot" or (ins.opcode == "custom-call" and _is_gemm(ins)):
+        contracting = (_CONTRACTING if ins.opcode == "dot" else _GEMM_CONTRACTING).search(ins.attributes)
+        lhs = shapes.get(ins.operands[0], "") if ins.operands else ""
+        if contracting is None or not lhs:
+            return 0.0
+        dims = _dims(lhs)
+        contracted = int(np.prod([dims[int(d.strip('" '))] for d in contracting.group(1).split(",") if d.strip('" ')],
+                                 dtype=np.int64))
+        return 2.0 * _elements(ins.shape) * contracted
+    called = _CALLED.search(ins.attributes)
+    if called is None:
+        return 0.0
+    names = [n.strip().lstrip("%") for n in called.group(1).split(",") if n.strip()]
+    costs = [computation_flops(n) for n in names]
+    if ins.opcode == "while":
+        trips = _TRIP_COUNT.search(ins.attributes)
+        return costs[0] * (int(trips.group(1)) if trips else 1)
+    return max(costs) if ins.opcode == "conditional" else sum(costs)
+
+
+def _is_gemm(ins: Instruction) -> bool:
+    """A library matmul (``__cublas$gemm``, ``__cublas$lt$matmul``, cuDNN's GEMM fusions)."""
+    found = _TARGET.search(ins.attributes)
+    return found is not None and ("gemm" in found.group(1).lower() or "matmul" in found.group(1).lower())
+
+
+def _convolution_window(ins: Instruction, shapes: dict[str, str]) -> int:
+    """Multiply-adds per output element of a convolution: the kernel's input features
+    times its spatial window (``dim_labels=b01f_01io->b01f``: the kernel's ``i`` and digits)."""
+    labels = _DIM_LABELS.search(ins.attributes)
+    kernel = shapes.get(ins.operands[1], "") if len(ins.operands) > 1 else ""
+    if labels is None or not kernel:
+        return 0
+    dims = _dims(kernel)
+    return int(np.prod([size for size, label in zip(dims, labels.group(1)) if label == "i" or label.isdigit()],
+                       dtype=np.int64))
+
+
+def _elements(shape: str) -> int:
+    return int(np.prod(_dims(shape), dtype=np.int64))
+
+
+def _dims(shape: str) -> list[int]:
+    m = _ARRAY.search(shape)
+    return [int(d) for d in m.group(2).split(",") if d] if m else []
 
 
 def _parse(line: str) -> Instruction | None:
@@ -137,11 +241,13 @@ def _first_array(shape: str) -> str:
     return shape[1:].split("}", 1)[0] if shape.startswith("(") else shape
 
 
-def host_copies(instructions: list[Instruction]) -> list[HostCopy]:
-    """Every transfer into host memory, with the compute scheduled while it runs."""
+def host_copies(instructions: list[Instruction], flops: Sequence[float] | None = None) -> list[HostCopy]:
+    """Every transfer into host memory, with the compute scheduled while it runs;
+    ``flops``: each instruction's (:func:`scheduled_flops`), for the flops around each copy."""
     by_name = {i.name: i for i in instructions}
     position = {i.name: n for n, i in enumerate(instructions)}
     done_of = {i.operands[0]: i for i in instructions if i.opcode == "copy-done" and i.operands}
+    before_flops = np.concatenate([[0.0], np.cumsum(flops if flops is not None else np.zeros(len(instructions)))])
     copies = []
     for n, ins in enumerate(instructions):
         if ins.opcode == "copy-start" and HOST_SPACE in _first_array(ins.shape):
@@ -151,10 +257,12 @@ def host_copies(instructions: list[Instruction]) -> list[HostCopy]:
             before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
             queue = _QUEUE.search(ins.attributes)
             copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), True,
-                                   queue.group(1) if queue else "", between, before, ins.name))
+                                   queue.group(1) if queue else "", between, before, ins.name,
+                                   float(before_flops[n]), float(before_flops[end] - before_flops[n + 1])))
         elif ins.opcode == "copy" and HOST_SPACE in ins.shape:
             before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
-            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0, before, ins.name))
+            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0, before, ins.name,
+                                   float(before_flops[n])))
     return copies
 
 

@@ -8,10 +8,14 @@ Assumptions (printed with every prediction):
   no cost analysis (XLA:GPU compile-only), the flops are the caller's (e.g. the standard
   transformer estimate) and the HBM term is left out;
 * each phase's host copies (their bytes read from the compiled program) run at the host
-  link's bandwidth; those the schedule overlaps with compute hide under ``f * T`` of the
-  step (``f``: overlappable fraction), those it serializes stall for their whole transfer:
-  ``stall_j = serialized_j / link + max(0, overlapped_j / link - f * T)``; the ideal
-  (every copy overlapped) is reported beside it;
+  link's bandwidth, one at a time, each from where the compiled schedule starts it: the
+  step's time runs with its matmul flops (:func:`overlap_ckpt.aot.hlo.scheduled_flops`),
+  and the step waits at a copy's done until the copy has transferred
+  (:func:`scheduled_stall_s`). XLA:GPU starts a large copy late in the step (0.68-0.72 of
+  the 1B LM's compute on an H200), so this is the figure the default schedule gives; the
+  ideal (every copy hides under ``f * T``, ``f``: overlappable fraction) is reported beside
+  it, and ``window="auto"`` is predicted with the fraction the compiled copies get
+  (:func:`schedule_fraction`);
 * Orbax async blocks on a device-to-host copy of the whole state: ``stall = S / link``;
 * host replay and persist run in the background and finish before the next checkpoint
   (not counted), so ``ETTR = N*T / (N*T + stall)``.
@@ -22,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 
 from .. import autok, costmodel
+from .programs import ProgramReport
 from .targets import Target
 from .window import WindowReport
 
@@ -68,15 +73,43 @@ def copy_bytes(report: WindowReport, phase: int) -> int:
 
 def phase_stall_s(report: WindowReport, cost: StepCost, phase: int, f: float = OVERLAPPABLE_FRACTION,
                   *, as_scheduled: bool = True) -> float:
-    """Stall of one window phase. ``as_scheduled``: a copy the compiled schedule serializes
-    (no compute between its start and done) stalls for its whole transfer and only the
-    overlapped copies hide under ``f * T``; otherwise every copy may hide (the model's
-    ideal, what a schedule that overlaps every copy would give)."""
+    """Stall of one window phase. ``as_scheduled``: the copies as the compiled schedule
+    places them (:func:`scheduled_stall_s`); otherwise every copy may hide under ``f * T``
+    (the model's ideal, what a schedule that starts every copy at the top would give)."""
     link = report.target.host_link_bytes_per_s
     program = report.phases[phase]
+    if as_scheduled and program.matmul_flops:
+        return scheduled_stall_s(program, cost.step_time_s, link)
+    # No matmuls to place the copies by: a copy the schedule serializes stalls for its
+    # whole transfer, the others hide under f * T.
     serialized = sum(c.nbytes for c in program.host_copies if not c.overlapped) if as_scheduled else 0
     hidden = copy_bytes(report, phase) - serialized
     return serialized / link + max(0.0, hidden / link - f * cost.step_time_s)
+
+
+def scheduled_stall_s(program: ProgramReport, step_time_s: float, link_bytes_per_s: float) -> float:
+    """The stall of one program's host copies where its schedule puts them: the step's time
+    runs with its matmul flops (an instruction starts at ``T x`` the fraction of them before
+    it), the copies take the host link one after another in the order they start, and the
+    step waits at a copy's done until its transfer ends; a wait delays all that follows."""
+    delay, link_free = 0.0, 0.0
+    for copy in sorted(program.host_copies, key=lambda c: c.flops_before):
+        start = step_time_s * copy.flops_before / program.matmul_flops + delay
+        end = max(link_free, start) + copy.nbytes / link_bytes_per_s
+        link_free = end
+        done = step_time_s * (copy.flops_before + copy.flops_between) / program.matmul_flops + delay
+        delay += max(0.0, end - done)
+    return delay
+
+
+def schedule_fraction(report: WindowReport) -> float | None:
+    """The fraction of a step the compiled window copies can hide under: per phase, the
+    largest share of the step's matmul flops scheduled while one of its copies transfers;
+    the least of the phases. None where a phase has no matmuls to tell by or no copy to
+    the host (the CPU target, whose outbox is a copy within its one memory)."""
+    if not report.phases or not all(p.matmul_flops and p.host_copies for p in report.phases):
+        return None
+    return min(max(p.between(c) for c in p.host_copies) for p in report.phases)
 
 
 def window_stall_s(report: WindowReport, cost: StepCost, f: float = OVERLAPPABLE_FRACTION,
@@ -103,12 +136,14 @@ def ettr(step_time_s: float, stall_s: float, interval_steps: int) -> float:
     return useful / (useful + stall_s)
 
 
-def auto_k(report: WindowReport, cost: StepCost, interval_steps: int) -> int:
+def auto_k(report: WindowReport, cost: StepCost, interval_steps: int, f: float = OVERLAPPABLE_FRACTION) -> int:
     """What ``window="auto"`` chooses on the target: the same rule as on a device
-    (:func:`overlap_ckpt.autok.choose_window`), with the predicted step time."""
+    (:func:`overlap_ckpt.autok.choose_window`), with the predicted step time and ``f``,
+    the fraction of a step a copy hides under (:func:`schedule_fraction` of a compiled
+    window where there is one)."""
     return autok.choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
                                state_bytes_per_device(report), grad_bytes_per_device(report),
-                               BACKGROUND_BYTES_PER_S, interval_steps)
+                               BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f)
 
 
 def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVERLAPPABLE_FRACTION) -> list[str]:
@@ -116,6 +151,8 @@ def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVE
             f"step time {cost.step_time_s * 1e3:.3g} ms = max(flops / (peak x MFU {mfu}), bytes / HBM); "
             f"flops {cost.flops:.3g} per device from the {cost.flops_source}"
             + (f", {cost.hbm_bytes:.3g} bytes accessed" if cost.hbm_bytes else ""),
-            f"window copies hide under {f:.0%} of a step; the excess stalls it",
+            "as scheduled: the step's time runs with its matmul flops; each copy starts where the compiled "
+            "schedule starts it, the copies take the host link one at a time, and the step waits at a copy's "
+            f"done until it has transferred; every copy overlapped: the copies hide under {f:.0%} of a step",
             "Orbax async: a blocking device-to-host copy of the whole state at the host link's bandwidth",
             "host replay and persist finish in the background before the next checkpoint (not counted)"]

@@ -12,7 +12,8 @@ import time
 
 import jax
 
-from .hlo import DeviceCopy, HostCopy, device_copies, device_temp_bytes, entry_instructions, host_copies
+from .hlo import (DeviceCopy, HostCopy, device_copies, device_temp_bytes, entry_instructions, host_copies,
+                  scheduled_flops)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,6 +45,16 @@ class ProgramReport:
     bytes_accessed: float | None
     fingerprint: str
     compile_s: float
+    matmul_flops: float = 0.0  # per device, summed over the schedule (:func:`overlap_ckpt.aot.hlo.scheduled_flops`)
+
+    def after_start(self, copy: HostCopy) -> float:
+        """The fraction of the step's matmul flops scheduled after ``copy`` starts: how much
+        of the step it can hide under, at most (0 where the program has no matmuls)."""
+        return 1.0 - copy.flops_before / self.matmul_flops if self.matmul_flops else 0.0
+
+    def between(self, copy: HostCopy) -> float:
+        """The fraction of the step's matmul flops scheduled while ``copy`` transfers."""
+        return copy.flops_between / self.matmul_flops if self.matmul_flops else 0.0
 
 
 def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramReport, jax.stages.Compiled]:
@@ -73,12 +84,13 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramRepo
             temp = device_temp_bytes(f.read())
     text = compiled.as_text()
     instructions = entry_instructions(text)
+    flops = scheduled_flops(text)
     m = compiled.memory_analysis()
     memory = DeviceMemory(m.argument_size_in_bytes, m.output_size_in_bytes, temp,
                           m.alias_size_in_bytes, m.host_output_size_in_bytes)
     cost = _cost(compiled)
-    report = ProgramReport(name, memory, tuple(host_copies(instructions)), tuple(device_copies(instructions)),
-                           cost.get("flops"), cost.get("bytes accessed"), fingerprint(text), seconds)
+    report = ProgramReport(name, memory, tuple(host_copies(instructions, flops)), tuple(device_copies(instructions)),
+                           cost.get("flops"), cost.get("bytes accessed"), fingerprint(text), seconds, sum(flops))
     return report, compiled
 
 

@@ -49,6 +49,17 @@ def program_rows(plain: ProgramReport, program: ProgramReport) -> str:
             f"{len(new_copies)} | {program.compile_s:.1f} |")
 
 
+def copy_rows(program: ProgramReport, shown: int = 8) -> list[str]:
+    copies = sorted((c for c in program.host_copies if c.nbytes >= MIB), key=lambda c: c.flops_before)
+    rows = [f"| {program.name} | {c.leaf} | {c.nbytes / MIB:.1f} | "
+            + (f"{program.after_start(c):.2f} | {program.between(c):.2f} |" if program.matmul_flops else "- | - |")
+            for c in copies[:shown]]
+    if len(copies) > shown:
+        rows.append(f"| {program.name} | ... and {len(copies) - shown} more | "
+                    f"{sum(c.nbytes for c in copies[shown:]) / MIB:.1f} | | |")
+    return rows
+
+
 def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str], cost: predict.StepCost,
              intervals: list[int], notes: list[str]) -> str:
     """The whole report for one target (the programs of every compiled K)."""
@@ -76,6 +87,13 @@ def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str
               program_rows(plain, plain)]
     for k, report in sorted(windows.items()):
         lines += [program_rows(plain, p) for p in report.phases]
+    lines += ["", "## Where the copies start", "",
+              "Per phase, its copies of at least 1 MiB in the order they start. *after start*: the share of the "
+              "step's matmul flops scheduled after the copy starts (1.00: at the top of the step); *during*: "
+              "the share scheduled while it transfers, what it can hide under.", "",
+              "| program | copy | MiB | after start | during |", "|---|---|---|---|---|"]
+    for k, report in sorted(windows.items()):
+        lines += [row for p in report.phases for row in copy_rows(p)]
     lines += ["", "## Checks", ""]
     for k, report in sorted(windows.items()):
         found = report.violations()

@@ -4,7 +4,7 @@ without any plugin."""
 import jax
 import jax.numpy as jnp
 
-from overlap_ckpt.aot.hlo import device_copies, device_temp_bytes, entry_instructions, host_copies
+from overlap_ckpt.aot.hlo import device_copies, device_temp_bytes, entry_instructions, host_copies, scheduled_flops
 from overlap_ckpt.aot.programs import compile_program, fingerprint
 
 from conftest import run_python
@@ -106,3 +106,82 @@ except RuntimeError as e:
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "second was not compiled but loaded from JAX's persistent compilation cache" in proc.stdout
     assert "jax.config.update('jax_enable_compilation_cache', False)" in proc.stdout
+
+
+# A step as XLA:GPU schedules it: a copy started after the first matmul (a fusion calling a
+# dot), a library GEMM and a scanned layer (a loop of known trip count) run while it
+# transfers, then one elementwise fusion after its done.
+MATMULS = r'''HloModule jit_step, is_scheduled=true
+
+%gemm_fusion_dot.1_computation (parameter_0: bf16[256,64], parameter_1: bf16[64,240]) -> bf16[256,240] {
+  %parameter_0 = bf16[256,64]{1,0} parameter(0)
+  %parameter_1 = bf16[64,240]{1,0} parameter(1)
+  ROOT %dot.106 = bf16[256,240]{1,0} dot(%parameter_0, %parameter_1), lhs_contracting_dims={1}, rhs_contracting_dims={0}
+}
+
+%body (p: (s32[], f32[16,32,32])) -> (s32[], f32[16,32,32]) {
+  %p = (s32[], f32[16,32,32]{2,1,0}) parameter(0)
+  %x = f32[16,32,32]{2,1,0} get-tuple-element(%p), index=1
+  %i = s32[] get-tuple-element(%p), index=0
+  %y = f32[16,32,32]{2,1,0} dot(%x, %x), lhs_batch_dims={0}, lhs_contracting_dims={2}, rhs_batch_dims={0}, rhs_contracting_dims={1}
+  ROOT %t = (s32[], f32[16,32,32]{2,1,0}) tuple(%i, %y)
+}
+
+%cond (q: (s32[], f32[16,32,32])) -> pred[] {
+  %q = (s32[], f32[16,32,32]{2,1,0}) parameter(0)
+  ROOT %c = pred[] constant(true)
+}
+
+%neg (a: f32[256,240]) -> f32[256,240] {
+  %a = f32[256,240]{1,0} parameter(0)
+  ROOT %n = f32[256,240]{1,0} negate(%a)
+}
+
+ENTRY %main.9 (w.1: bf16[256,64], v.1: bf16[64,240], s.1: (s32[], f32[16,32,32]), g.1: f32[512,128], h.1: f32[128,96]) -> (bf16[256,240], f32[256,240], f32[512,96], (s32[], f32[16,32,32])) {
+  %w.1 = bf16[256,64]{1,0} parameter(0), metadata={op_name="params['w']"}
+  %v.1 = bf16[64,240]{1,0} parameter(1), metadata={op_name="params['v']"}
+  %s.1 = (s32[], f32[16,32,32]{2,1,0}) parameter(2)
+  %g.1 = f32[512,128]{1,0} parameter(3)
+  %h.1 = f32[128,96]{1,0} parameter(4)
+  %gemm_fusion_dot.1 = bf16[256,240]{1,0} fusion(%w.1, %v.1), kind=kCustom, calls=%gemm_fusion_dot.1_computation
+  %copy-start.1 = (bf16[256,64]{1,0:S(5)}, bf16[256,64]{1,0}, u32[]) copy-start(%w.1), backend_config={"operation_queue_id":"1"}
+  %custom-call.2 = (f32[512,96]{1,0}, s8[4194304]{0}) custom-call(%g.1, %h.1), custom_call_target="__cublas$gemm", backend_config={"operation_queue_id":"0","gemm_backend_config":{"alpha_real":1,"dot_dimension_numbers":{"lhs_contracting_dimensions":["1"],"rhs_contracting_dimensions":["0"],"lhs_batch_dimensions":[],"rhs_batch_dimensions":[]}}}
+  %while.3 = (s32[], f32[16,32,32]{2,1,0}) while(%s.1), condition=%cond, body=%body, backend_config={"known_trip_count":{"n":"3"}}
+  %copy-done.1 = bf16[256,64]{1,0:S(5)} copy-done(%copy-start.1)
+  %f32.4 = f32[256,240]{1,0} convert(%gemm_fusion_dot.1)
+  %fusion.5 = f32[256,240]{1,0} fusion(%f32.4), kind=kLoop, calls=%neg
+  %gte.6 = f32[512,96]{1,0} get-tuple-element(%custom-call.2), index=0
+  ROOT %tuple = (bf16[256,240]{1,0}, f32[256,240]{1,0}, f32[512,96]{1,0}, (s32[], f32[16,32,32]{2,1,0})) tuple(%gemm_fusion_dot.1, %fusion.5, %gte.6, %while.3)
+}
+'''
+
+
+def test_scheduled_flops_are_the_matmuls_loops_included_and_place_each_copy():
+    """Hand arithmetic (2 x output elements x contracted size per matmul) is the reference:
+    the fused dot, the library GEMM read from its dimension numbers, the loop's batched dot
+    three times; elementwise work counts nothing."""
+    fused, gemm, loop = 2 * 256 * 240 * 64, 2 * 512 * 96 * 128, 3 * 2 * 16 * 32 * 32 * 32
+    flops = scheduled_flops(MATMULS)
+    by_name = dict(zip((i.name for i in entry_instructions(MATMULS)), flops))
+    assert (by_name["gemm_fusion_dot.1"], by_name["custom-call.2"], by_name["while.3"]) == (fused, gemm, loop)
+    assert sum(flops) == fused + gemm + loop
+    (copy,) = host_copies(entry_instructions(MATMULS), flops)
+    assert (copy.leaf, copy.flops_before, copy.flops_between) == ("params['w']", fused, gemm + loop)
+
+
+def test_scheduled_flops_of_a_cpu_program_are_its_matmuls():
+    """A program compiled here: the flops of a scanned matmul (XLA's cost analysis counts a
+    loop's body once, so hand arithmetic is the reference there) and, without the loop,
+    XLA's own cost analysis."""
+    def scanned(x, w1, w2):
+        y, _ = jax.lax.scan(lambda c, w: (jnp.tanh(c @ w), None), x @ w1, jnp.stack([w2, w2, w2]))
+        return y
+
+    args = (jax.ShapeDtypeStruct((32, 64), jnp.float32), jax.ShapeDtypeStruct((64, 128), jnp.float32),
+            jax.ShapeDtypeStruct((128, 128), jnp.float32))
+    text = jax.jit(scanned).lower(*args).compile().as_text()
+    assert sum(scheduled_flops(text)) == 2 * 32 * 64 * 128 + 3 * 2 * 32 * 128 * 128
+
+    compiled = jax.jit(lambda x, w1, w2: (x @ w1) @ w2).lower(*args).compile()
+    assert sum(scheduled_flops(compiled.as_text())) == compiled.cost_analysis()["flops"] == (
+        2 * 32 * 64 * 128 + 2 * 32 * 128 * 128)

@@ -67,3 +67,27 @@ def test_compute_is_scheduled_between_every_copy_start_and_done(compiled):
     for program in report.phases:
         serialized = [c.leaf for c in program.host_copies if not c.overlapped]
         assert not serialized, (program.name, serialized)
+
+
+# Where a state copy should start: with at least this share of the step's matmul flops
+# still to run after it (it reads the step's inputs, so the top of the step is possible).
+STATE_COPY_AFTER_START = 0.9
+
+
+def test_every_state_copy_starts_before_the_step_does_most_of_its_work(compiled, request):
+    """The position of each state copy's start in the schedule, as the share of the step's
+    matmul flops scheduled after it (``aot.hlo.scheduled_flops``, checked against hand
+    arithmetic and XLA's cost analysis in test_hlo.py); a failure names the copy. XLA:GPU
+    starts the state copy of a phase that also ships gradients after the backward pass
+    (issue 56: the tiny NNX LM's phase 0 of 2 with 0.33 of the step after it), so this is a
+    strict xfail on the H100 until the default schedule starts it at the top."""
+    _, _, report = compiled
+    if report.target.platform == "gpu":
+        request.applymarker(pytest.mark.xfail(strict=True, reason="issue 56: XLA:GPU starts a gradient "
+                                              "phase's state copy after the backward pass"))
+    late = [f"{program.name}: the copy of {c.leaf} ({c.nbytes / 2**20:.2f} MiB) starts with "
+            f"{program.after_start(c):.2f} of the step's matmul flops after it"
+            for program in report.phases for c in program.host_copies
+            if c.leaf.startswith(("params", "opt_state")) and program.after_start(c) < STATE_COPY_AFTER_START]
+    assert report.phases and all(p.matmul_flops for p in report.phases)
+    assert not late, late
