@@ -13,6 +13,8 @@ a local tier (``--replicas`` peers).
 
 ``--kill-at T``: at the end of step ``T`` (in a window), once every checkpoint handed over so
 far is written (and replicated) on every process, every process SIGKILLs itself.
+``--copy-at T --copy-to DIR``: at that same point, process 0 copies the durable and local
+directories into ``DIR`` (what the SIGKILL would leave on disk), and the job goes on.
 ``--resume``: restore the newest step complete everywhere onto the creation's shardings.
 stdout: JSON lines ``resumed`` (step), ``step`` (loss bits), ``done``.
 """
@@ -23,6 +25,7 @@ import argparse
 import functools
 import json
 import os
+import shutil
 import signal
 import sys
 
@@ -67,6 +70,8 @@ def main() -> int:
     ap.add_argument("--case", required=True)
     ap.add_argument("--resume", action="store_true")
     ap.add_argument("--kill-at", type=int)
+    ap.add_argument("--copy-at", type=int)
+    ap.add_argument("--copy-to")
     ap.add_argument("--snapshot-at", type=int, help="a synchronous snapshot of the state before this step")
     args = ap.parse_args()
     case = Case.from_json(args.case)
@@ -110,10 +115,15 @@ def main() -> int:
             state, loss = train_step(state, x, y)
             state = mngr.step(state)
             emit(ev="step", t=t, loss=loss_bits(np.asarray(loss.addressable_shards[0].data)), phase=phase)
-            if t == args.kill_at:
+            if t in (args.kill_at, args.copy_at):
                 mngr.wait_until_finished()
-                distributed_client().wait_at_barrier("layout_worker:kill", 60_000)
-                os.kill(os.getpid(), signal.SIGKILL)
+                distributed_client().wait_at_barrier("layout_worker:written", 60_000)
+                if t == args.kill_at:
+                    os.kill(os.getpid(), signal.SIGKILL)
+                if args.pid == 0:
+                    shutil.copytree(args.dir, os.path.join(args.copy_to, "durable"))
+                    shutil.copytree(args.local, os.path.join(args.copy_to, "local"))
+                distributed_client().wait_at_barrier("layout_worker:copied", 60_000)
     distributed_client().wait_at_barrier("layout_worker:done", 60_000)
     emit(ev="done", pid=args.pid)
     return 0

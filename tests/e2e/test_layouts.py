@@ -1,6 +1,7 @@
-"""Multi-process jobs laid out as users lay them out: checkpoint, SIGKILL in a window, and
-resume from the local tier, from the local tier with one process's copy wiped, and from the
-durable tier; every resumed loss bitwise equal to the uninterrupted job's.
+"""Multi-process jobs laid out as users lay them out: checkpoint, stop in a window (a SIGKILL,
+or a copy of the directories as one leaves them), and resume from the local tier, from the
+local tier with one process's copy wiped, and from the durable tier; every resumed loss
+bitwise equal to the uninterrupted job's.
 
 The regression cases are the layouts that failed before (issue 55): a state created under
 ``jax.jit`` (XLA replicated the Adam moments of FSDP parameters), ZeRO-1 (replicated
@@ -61,21 +62,27 @@ ALL_RESUMES = ("as_left", "host_lost", "all_local_lost")
 
 
 def check_layout_case(case: Case, nprocs: int, devices: int, tmp, *, resumes: tuple = ALL_RESUMES,
-                      torn: bool = False) -> None:
-    """Reference job, a job SIGKILLed at the end of step KILL_AT (window of step 12 open),
-    then ``resumes`` on copies of its directories: as left, with process 1's local tier wiped
-    (a replaced host), with every local tier wiped; with ``torn``, also with the data of
-    process 1's newest local step deleted (the restart skips it for the step before)."""
-    reference = losses(job(case, nprocs, devices, tmp / "ref", tmp, "ref", "--snapshot-at", str(SNAPSHOT)))
+                      torn: bool = False, kill: bool = False) -> None:
+    """Reference job, then ``resumes`` on copies of what it left on disk at the end of step
+    KILL_AT (every checkpoint handed over written and replicated, the window of step 12
+    open): as left, with process 1's local tier wiped (a replaced host), with every local
+    tier wiped; with ``torn``, also with the data of process 1's newest local step deleted
+    (the restart skips it for the step before). With ``kill``, what a second job SIGKILLed
+    at that point leaves, instead of the reference job's copy of its directories there
+    (the same files: one job fewer)."""
+    split = bool(resumes or torn)
+    killed = tmp / "killed"
+    reference = losses(job(case, nprocs, devices, tmp / "ref", tmp, "ref", "--snapshot-at", str(SNAPSHOT),
+                           *(("--copy-at", str(KILL_AT), "--copy-to", str(killed)) if split and not kill else ())))
     assert sorted(reference) == list(range(STEPS))
     assert_checkpoint_is_snapshot(tmp / "ref", case)
-    if not resumes and not torn:
+    if not split:
         return
-    killed = tmp / "killed"
-    # Each process SIGKILLs itself once every checkpoint is written; one whose coordinator
-    # (process 0) died first is aborted by jax.distributed instead (SIGABRT): same files.
-    job(case, nprocs, devices, killed, tmp, "killed", "--kill-at", str(KILL_AT),
-        exit_code=(-signal.SIGKILL, -signal.SIGABRT))
+    if kill:
+        # Each process SIGKILLs itself once every checkpoint is written; one whose coordinator
+        # (process 0) died first is aborted by jax.distributed instead (SIGABRT): same files.
+        job(case, nprocs, devices, killed, tmp, "killed", "--kill-at", str(KILL_AT),
+            exit_code=(-signal.SIGKILL, -signal.SIGABRT))
     local_newest = 10
     expected = {"as_left": local_newest, "host_lost": local_newest if case.replicas else 6, "all_local_lost": 6}
     expected = {variant: start for variant, start in expected.items() if variant in resumes}
@@ -151,7 +158,9 @@ REGRESSIONS = {
 # host or every local tier lost (jit_created_fsdp, whose layouts XLA chose), a lost host
 # from its peer's replica over four processes, a torn local step (replicated_biases); the
 # crossed case's property is its checkpoint alone. The fuzz test resumes its draws as left
-# and with a lost host; fuzz_layouts.py resumes every draw every way.
+# and with a lost host; fuzz_layouts.py resumes every draw every way. jit_created_fsdp's
+# resumes start from a job really SIGKILLed in its window; the others from the reference
+# job's copy of its directories at that point (one job fewer each).
 REGRESSION_RESUMES = {"jit_created_fsdp": ALL_RESUMES, "four_processes_2d_mesh": ("host_lost",),
                       "crossed_moment_layouts": ()}
 FUZZ_RESUMES = ALL_RESUMES[:2]
@@ -162,7 +171,7 @@ FUZZ_RESUMES = ALL_RESUMES[:2]
 def test_layout_regression(tmp_path, name):
     case, nprocs, devices = REGRESSIONS[name]
     check_layout_case(case, nprocs, devices, tmp_path, resumes=REGRESSION_RESUMES.get(name, ALL_RESUMES[:1]),
-                      torn=name == "replicated_biases_local_tier")
+                      torn=name == "replicated_biases_local_tier", kill=name == "jit_created_fsdp")
 
 
 @pytest.mark.slow
