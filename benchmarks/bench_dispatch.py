@@ -32,12 +32,13 @@ import argparse
 import functools
 import gc
 import json
-import os
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
+
+from benchmarks.harness import run_fresh
+from benchmarks.reporting import publish
 
 CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
 WARMUP_INTERVALS = 2  # not measured (see run_config)
@@ -166,12 +167,10 @@ def main() -> None:
     runs = []
     for _ in range(args.rounds):
         for config in CONFIGS:
-            out = subprocess.run([sys.executable, "-m", "benchmarks.bench_dispatch", "--worker", config,
-                                  "--layers", str(args.layers), "--interval", str(args.interval),
-                                  "--checkpoints", str(args.checkpoints), "--pause-ms", str(args.pause_ms)]
-                                 + ["--gc-freeze"] * args.gc_freeze,
-                                 capture_output=True, text=True, check=True, env=dict(os.environ))
-            runs.append(json.loads(out.stdout.strip().splitlines()[-1]))
+            runs.append(run_fresh("benchmarks.bench_dispatch",
+                                  ["--worker", config, "--layers", str(args.layers), "--interval", str(args.interval),
+                                   "--checkpoints", str(args.checkpoints), "--pause-ms", str(args.pause_ms)]
+                                  + ["--gc-freeze"] * args.gc_freeze))
             print(f"{config}: done", file=sys.stderr)
     lines = [f"# Issuing the step after a checkpoint: {runs[0]['leaves']} state arrays", "",
              f"{args.interval} steps per checkpoint, {args.checkpoints} measured checkpoints per run, "
@@ -205,13 +204,7 @@ def main() -> None:
                   f"{statistics.mean(r['objects'] for r in mine) / 1e3:.0f} / "
                   f"{statistics.mean(r['objects_scanned'] for r in mine) / 1e3:.0f}"]
         lines.append("| " + " | ".join(cells) + " |")
-    report = "\n".join(lines) + "\n"
-    print(report)
-    if args.out:
-        with open(args.out + ".json", "w") as f:
-            json.dump({"args": vars(args), "runs": runs}, f, indent=1)
-        with open(args.out + ".md", "w") as f:
-            f.write(report)
+    publish({"args": vars(args), "runs": runs}, "\n".join(lines) + "\n", args.out)
 
 
 if __name__ == "__main__":

@@ -27,10 +27,10 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
 import sys
 import tempfile
 
+from benchmarks.harness import run_fresh, settled_rss
 from benchmarks.reporting import publish
 
 MIB = 2**20
@@ -68,11 +68,8 @@ def serialized_sizes(target_name: str, model: str, k: int, directory: str | None
 def resident(model: str, k: int, index: int, mode: str, directory: str) -> dict:
     """RSS added by lowering program ``index`` on this CPU, then by compiling it (``mode``
     "compile") or by loading its serialized form from ``directory`` ("load")."""
-    from jax.experimental import serialize_executable
-
-    from benchmarks.run import settled_rss
-
     import jax
+    from jax.experimental import serialize_executable
 
     # XLA:CPU sets up its compiler and runtime at the first compile of a process: paid here,
     # by a program of its own, so that the figures below are the program's alone.
@@ -96,11 +93,7 @@ def _run_worker(*args: str, pythonpath: str | None = None) -> dict:
     env = {**os.environ, "JAX_PLATFORMS": "cpu"}
     if pythonpath:
         env["PYTHONPATH"] = os.pathsep.join(p for p in (pythonpath, env.get("PYTHONPATH")) if p)
-    proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_executables", "--worker", *args],
-                          capture_output=True, text=True, env=env)
-    if proc.returncode != 0:
-        raise RuntimeError(f"worker {args} failed:\n{proc.stderr[-4000:]}")
-    return json.loads(proc.stdout.strip().splitlines()[-1])
+    return run_fresh("benchmarks.bench_executables", ["--worker", *args], env=env)
 
 
 def markdown(report: dict) -> str:

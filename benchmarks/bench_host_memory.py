@@ -41,12 +41,11 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import subprocess
-import sys
 import tempfile
 import threading
 import time
 
+from benchmarks.harness import rss_now, run_fresh, settled_rss, tree_bytes
 from benchmarks.reporting import publish
 
 MIB = 2**20
@@ -82,19 +81,14 @@ def new_mappings(before: dict, after: dict) -> list[list]:
 
 def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
     import jax
-    import optax
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import linen_init
 
     from benchmarks.lm_loop import lm_loop
-    from benchmarks.run import _rss_now, _tree_bytes, settled_rss
 
     lm = lm_loop(model, batch_size)
-    state = oc.TrainState.create(apply_fn=lm.model.apply, params=linen_init(lm.config, 0),
-                                 tx=optax.adamw(1e-3, weight_decay=0.01))
-    state = jax.device_put(state.replace(step=jax.numpy.int32(0)), lm.device)
-    state_bytes = _tree_bytes(state.params) + _tree_bytes(state.opt_state)
+    state = lm.fresh_state()
+    state_bytes = tree_bytes(state.params) + tree_bytes(state.opt_state)
     t = 0
 
     def step(s):
@@ -131,7 +125,7 @@ def worker(model: str, batch_size: int, k: int, interval: int) -> dict:
 
     def sample():
         while not stop.is_set():
-            samples.append((time.perf_counter(), _rss_now()))
+            samples.append((time.perf_counter(), rss_now()))
             time.sleep(0.001)
 
     sampler = threading.Thread(target=sample, daemon=True)
@@ -212,13 +206,11 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error("every window must be shorter than --interval")
     runs = []
     for k in args.windows:
-        proc = subprocess.run([sys.executable, "-m", "benchmarks.bench_host_memory", "--model", args.model,
-                               "--batch-size", str(args.batch_size), "--interval", str(args.interval),
-                               "--worker", str(k)], capture_output=True, text=True,
-                              env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")})
-        if proc.returncode != 0:
-            raise RuntimeError(f"K={k} failed:\n{proc.stderr[-4000:]}")
-        runs.append(json.loads(proc.stdout.strip().splitlines()[-1]))
+        runs.append(run_fresh("benchmarks.bench_host_memory",
+                              ["--model", args.model, "--batch-size", str(args.batch_size),
+                               "--interval", str(args.interval), "--worker", str(k)],
+                              env={**os.environ, "JAX_PLATFORMS": os.environ.get("JAX_PLATFORMS", "cpu")},
+                              label=f"K={k}"))
     report = {"benchmark": "bench_host_memory", "model": args.model, "batch_size": args.batch_size,
               "interval": args.interval, "runs": runs, "loadavg_at_end": list(os.getloadavg())}
     publish(report, markdown(report), args.out)

@@ -90,26 +90,19 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--block {block} must be a multiple of every interval {args.intervals}")
     window = args.window if args.window == "auto" else int(args.window)
 
-    import jax
-    import optax
     import orbax.checkpoint as ocp
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import linen_init
 
     lm = lm_loop(args.model, args.batch_size)
-    config, model, device, batches, train_step = lm.config, lm.model, lm.device, lm.batches, lm.train_step
+    batches, train_step = lm.batches, lm.train_step
 
     # Every loop starts half the longest interval off a checkpoint: its blocks then hold the
     # long interval's checkpoint in their middle.
     start_step = max(args.intervals) // 2
 
     def fresh():
-        # Each loop its own optimizer object: a window ticket on this thread applies to every
-        # update with the transformation it was planned for (overlap_ckpt.core.window_context).
-        tx = optax.adamw(1e-3, weight_decay=0.01)
-        state = oc.TrainState.create(apply_fn=model.apply, params=linen_init(config, 0), tx=tx)
-        return jax.device_put(state.replace(step=jax.numpy.int32(start_step)), device)
+        return lm.fresh_state(step=start_step)  # each loop its own optimizer object
 
     root = tempfile.mkdtemp(prefix="bench_interval_")
 
@@ -199,7 +192,7 @@ def main(argv: list[str] | None = None) -> dict:
 
     report = {"benchmark": "bench_interval", "model": args.model, "batch_size": args.batch_size,
               "intervals": args.intervals, "block": block, "window": args.window, "rounds": args.rounds,
-              "sync_every": args.sync_every, "checksums": args.checksums, "device": str(device),
+              "sync_every": args.sync_every, "checksums": args.checksums, "device": str(lm.device),
               "loadavg_at_end": list(os.getloadavg()), "rows": rows}
     report["summary"] = summarize(report)
     publish(report, markdown(report), args.out)

@@ -50,17 +50,12 @@ def main(argv: list[str] | None = None) -> dict:
     import optax
 
     import overlap_ckpt as oc
-    from overlap_ckpt.tools.models import linen_init
 
     lm = lm_loop(args.model, args.batch_size)
-    config, model, device, batches, train_step = lm.config, lm.model, lm.device, lm.batches, lm.train_step
+    batches, train_step = lm.batches, lm.train_step
 
-    def fresh():
-        # Each loop its own optimizer object: a window ticket on this thread applies to every
-        # update with the transformation it was planned for (overlap_ckpt.core.window_context).
-        tx = optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01))
-        state = oc.TrainState.create(apply_fn=model.apply, params=linen_init(config, 0), tx=tx)
-        return jax.device_put(state.replace(step=jax.numpy.int32(0)), device)
+    def fresh():  # each loop its own optimizer object (LMLoop.fresh_state)
+        return lm.fresh_state(optax.chain(optax.clip_by_global_norm(1.0), optax.adamw(1e-3, weight_decay=0.01)))
 
     root = tempfile.mkdtemp(prefix="bench_tax_")
     idle = oc.CheckpointManager(os.path.join(root, "idle"), save_interval_steps=10**9, window=1)
@@ -127,7 +122,7 @@ def main(argv: list[str] | None = None) -> dict:
     report = {
         "benchmark": "bench_tax", "model": args.model, "batch_size": args.batch_size,
         "rounds": args.rounds, "steps_per_turn": args.steps_per_turn, "interval": args.interval,
-        "optimizer": "clip_by_global_norm + adamw", "device": str(device),
+        "optimizer": "clip_by_global_norm + adamw", "device": str(lm.device),
         "loadavg_at_end": list(os.getloadavg()),
         "median_step_s": {name: statistics.median(v) for name, v in times.items() if v},
         "paired_ratio_to_plain": {name: paired(name) for name in ("idle", "windows")},

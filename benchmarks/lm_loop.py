@@ -1,7 +1,7 @@
 """The training loop the benchmarks share: the Flax transformer LM (Linen
 ``overlap_ckpt.TrainState``), synthetic token batches committed to the device, and a donated
-jitted step returning ``(state, loss)``: what ``benchmarks.run``'s workers, bench_tax and
-bench_interval train."""
+jitted step returning ``(state, loss)``, and a fresh train state for it: what
+``benchmarks.run``'s workers, bench_host_memory, bench_tax and bench_interval train."""
 
 from __future__ import annotations
 
@@ -22,6 +22,26 @@ class LMLoop:
         """The step jitted as ``train_step`` is, with ``compiler_options`` (for example
         ``CheckpointManager.jit_compiler_options()``)."""
         return _jit_step(self.loss_and_update, compiler_options)
+
+    def fresh_state(self, tx: Any = None, step: int = 0) -> Any:
+        """A new ``TrainState`` of the LM (seed 0) at step counter ``step``, committed to the
+        loop's device; ``tx`` defaults to ``adamw(1e-3, weight_decay=0.01)``.
+
+        Committed (an explicit device, as the batches are), as an explicitly sharded state
+        would be: without it the first step after a checkpoint window, whose outputs are
+        committed, compiles again. Call it once per loop: a window ticket on the training
+        thread applies to every update with the transformation it was planned for
+        (``overlap_ckpt.core.window_context``), so loops must not share an optimizer object.
+        """
+        import jax
+        import optax
+
+        import overlap_ckpt as oc
+        from overlap_ckpt.tools.models import linen_init
+
+        tx = optax.adamw(1e-3, weight_decay=0.01) if tx is None else tx
+        state = oc.TrainState.create(apply_fn=self.model.apply, params=linen_init(self.config, 0), tx=tx)
+        return jax.device_put(state.replace(step=jax.numpy.asarray(step, jax.numpy.int32)), self.device)
 
 
 def _jit_step(loss_and_update: Callable, compiler_options: dict | None = None) -> Callable:
