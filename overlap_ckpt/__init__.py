@@ -4,17 +4,27 @@ The train state is captured in K slices over K steps inside the jitted step, the
 is replayed on the host so every slice reaches the same version, and the result is
 persisted in the background in a layout stock Orbax can read.
 
-Layout of the package (the data path runs top to bottom):
+Layout of the package, one folder per concept, each importing only the floors below it
+(written as import-linter contracts in ``.importlinter``; docs/design.md draws it):
 
+* :mod:`overlap_ckpt.tools` — the ``overlap-ckpt`` command, the demo, its models, and the
+  ``overlap-ckpt aot`` benchmark and report;
+* :mod:`overlap_ckpt.manager` — the Orbax-like front door and one module per policy it
+  composes; :mod:`overlap_ckpt.orbax_handler` — the other way in, through your own Orbax
+  ``CheckpointManager``;
+* :mod:`overlap_ckpt.aot` — window programs compiled for an H100 or a TPU slice without one,
+  and the stall they predict;
 * :mod:`overlap_ckpt.doors` — how a training loop style reaches the engine (Flax Linen
-  ``TrainState``, NNX ``Optimizer``, your own Orbax ``CheckpointManager``);
-* :mod:`overlap_ckpt.manager` — the Orbax-like front door over a door, the engine and a store;
+  ``TrainState``, NNX ``Optimizer``); :mod:`overlap_ckpt.tiers` — the node-local tier and its
+  peer replicas; :mod:`overlap_ckpt.costmodel` — the cost model, the choice of K, hardware
+  figures;
 * :mod:`overlap_ckpt.core` — framework-free algorithm: plan, capture, host replay, engine;
-* :mod:`overlap_ckpt.storage` — persist, commit, restore, verify (Orbax's on-disk layout);
-* :mod:`overlap_ckpt.tools` — the ``overlap-ckpt`` command, the demo and its models;
-* :mod:`overlap_ckpt.aot` — window programs compiled for an H100 or a TPU slice without one.
+  :mod:`overlap_ckpt.storage` — persist, commit, restore, verify (Orbax's on-disk layout);
+* the ground floor: :mod:`overlap_ckpt.errors`, :mod:`overlap_ckpt.hostarray`,
+  :mod:`overlap_ckpt.gil`; and :mod:`overlap_ckpt.testing` (test-only switches).
 """
 
+from . import _moved
 from .core.capture import capture_update
 from .core.engine import MemorySink, OverlapEngine
 from .errors import (ConfigError, InternalError, OverlapCkptError, TreeMismatchError,
@@ -23,6 +33,8 @@ from .hostarray import HostArray, HostShard
 from .doors.linen import TrainState
 from .manager import CheckpointManager
 from .tiers import LocalTier
+
+_moved.install()  # old module paths (overlap_ckpt.autok, ...) keep importing for a release
 
 __all__ = [
     "capture_update", "MemorySink", "OverlapEngine", "ConfigError", "InternalError", "OverlapCkptError",
@@ -34,9 +46,10 @@ __version__ = "0.1.0"
 # Loaded on first use: the Orbax door and the storage layer import orbax and tensorstore
 # (~0.6 s), the NNX door flax.nnx (~1 s, which a Linen or Orbax loop never needs).
 # Each name: (module, attribute of it, or None for the module itself).
-_LAZY = {**{name: ("doors.orbax", name) for name in ("HostCopySink", "OverlapCheckpointHandler", "OverlapSave",
+_LAZY = {**{name: ("orbax_handler", name) for name in ("HostCopySink", "OverlapCheckpointHandler", "OverlapSave",
                                                      "overlap_handler_registry")},
-         "storage": ("storage", None), "aot": ("aot", None), "nnx": ("doors.nnx", None)}
+         "storage": ("storage", None), "aot": ("aot", None), "nnx": ("doors.nnx", None),
+         "preemption": ("manager.preemption", None)}
 __all__ += list(_LAZY)
 
 

@@ -149,7 +149,7 @@ class HostArray:
     blocks: tuple[Index, ...] | None = None
     # The jax sharding whose replica-0 blocks ``blocks`` are (the window's capture layout),
     # when known: a local-tier restore rebuilds the leaf from every process's blocks with it
-    # (overlap_ckpt.tier_restore), whatever the layout it is restored onto.
+    # (overlap_ckpt.tiers.restore), whatever the layout it is restored onto.
     sharding: Any = None
 
     @property

@@ -24,8 +24,8 @@ import contextlib
 import itertools
 from typing import Any, Iterator
 
-from . import autok
 from .core import backend
+from .manager import window_choice
 
 
 @contextlib.contextmanager
@@ -36,18 +36,19 @@ def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
 
     ``step_time_s`` and ``d2h_bytes_per_s`` are what ``window="auto"`` measures;
     ``outbox_memory`` is the memory kind window steps copy into; ``hardware`` (an
-    :class:`overlap_ckpt.aot.targets.Hardware`) the numbers of the device it predicts
+    :class:`overlap_ckpt.costmodel.hardware.Hardware`) the numbers of the device it predicts
     from (None: an unknown device, so ``window="auto"`` measures).
     """
-    saved = (backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth, autok.hardware_of)
+    auto = window_choice
+    saved = (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of)
     ticks = itertools.count()
     backend.emulated = platform
     # Every reading advances by the time of the steps AutoWindow measures between two readings.
-    autok.clock = lambda: next(ticks) * step_time_s * autok.MEASURE_STEPS
-    autok.measure_bandwidth = lambda device: d2h_bytes_per_s
+    auto.clock = lambda: next(ticks) * step_time_s * auto.MEASURE_STEPS
+    auto.measure_bandwidth = lambda device: d2h_bytes_per_s
     backend.emulated_memory = outbox_memory
-    autok.hardware_of = lambda device: hardware
+    auto.hardware_of = lambda device: hardware
     try:
         yield
     finally:
-        backend.emulated, backend.emulated_memory, autok.clock, autok.measure_bandwidth, autok.hardware_of = saved
+        backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of = saved

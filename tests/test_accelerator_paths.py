@@ -11,7 +11,9 @@ import optax
 import pytest
 
 import overlap_ckpt as oc
-from overlap_ckpt import autok, costmodel
+from overlap_ckpt import costmodel
+from overlap_ckpt.costmodel.window import MFU
+from overlap_ckpt.manager.window_choice import MEASURE_STEPS
 from overlap_ckpt.aot.targets import Hardware
 from overlap_ckpt.testing import emulate_accelerator
 
@@ -64,7 +66,7 @@ def test_window_auto_picks_the_k_the_cost_model_gives(tmp_path):
             for version, ref in references.items():
                 saved = mngr.restore(version)
                 assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")
-    assert autok.MEASURE_STEPS < interval
+    assert MEASURE_STEPS < interval
 
 
 def test_window_auto_predicts_k_from_the_steps_program_before_the_first_window(tmp_path):
@@ -73,7 +75,7 @@ def test_window_auto_predicts_k_from_the_steps_program_before_the_first_window(t
     flops of the step compiled without overlap_ckpt. The measurement that follows says
     the same step time here, so K stays."""
     tx = optax.adam(1e-3)
-    interval, mfu = 20, autok.MFU
+    interval, mfu = 20, MFU
     x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
     # Slow enough that one step cannot hide the copy of the state: K must leave 1.
     hardware = Hardware(peak_flops=2e7, hbm_bytes_per_s=1e12, host_link_bytes_per_s=2e6,
@@ -215,7 +217,7 @@ def test_jit_compiler_options_hint_only_the_last_phase_compiled_ahead(tmp_path, 
     tests/aot/test_copy_schedule.py): the options name the hints directory, compile_ahead
     prepares a profile for the last phase of the window only, and the checkpoints are those
     of the state."""
-    from overlap_ckpt.copy_schedule import PGLE_OPTION, CopyScheduleHints
+    from overlap_ckpt.manager.copy_schedule import PGLE_OPTION, CopyScheduleHints
 
     prepared = []
     prepare = CopyScheduleHints.prepare

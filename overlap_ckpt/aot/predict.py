@@ -25,13 +25,13 @@ from __future__ import annotations
 
 import dataclasses
 
-from .. import autok, costmodel
+from ..costmodel.model import TrainingProfile, predicted_step_time_s
+from ..costmodel.window import MFU, choose_window
 from .programs import ProgramReport
 from .targets import Target
 from .window import WindowReport
 
-MFU = 0.5  # assumed model-FLOPs utilisation of the plain step
-OVERLAPPABLE_FRACTION = 0.9  # costmodel.TrainingProfile's default for matmul-bound steps
+OVERLAPPABLE_FRACTION = TrainingProfile.overlappable_fraction  # the model's default for matmul-bound steps
 BACKGROUND_BYTES_PER_S = 1e15  # "persist is not the bottleneck" (see the module docstring)
 
 
@@ -62,7 +62,7 @@ def step_cost(report: WindowReport, flops_hint: float | None = None, mfu: float 
                              "(per-device flops of one step)")
         flops, source = flops_hint, "caller's estimate (no cost analysis from this compiler)"
     hbm = report.plain.bytes_accessed if report.plain.flops else None
-    t = costmodel.predicted_step_time_s(flops, target.peak_flops, mfu, hbm, target.hbm_bytes_per_s)
+    t = predicted_step_time_s(flops, target.peak_flops, mfu, hbm, target.hbm_bytes_per_s)
     return StepCost(flops, hbm, t, source)
 
 
@@ -136,14 +136,16 @@ def ettr(step_time_s: float, stall_s: float, interval_steps: int) -> float:
     return useful / (useful + stall_s)
 
 
-def auto_k(report: WindowReport, cost: StepCost, interval_steps: int, f: float = OVERLAPPABLE_FRACTION) -> int:
+def auto_k(report: WindowReport, cost: StepCost, interval_steps: int | None,
+           f: float = OVERLAPPABLE_FRACTION) -> int:
     """What ``window="auto"`` chooses on the target: the same rule as on a device
-    (:func:`overlap_ckpt.autok.choose_window`), with the predicted step time and ``f``,
-    the fraction of a step a copy hides under (:func:`schedule_fraction` of a compiled
-    window where there is one)."""
-    return autok.choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
-                               state_bytes_per_device(report), grad_bytes_per_device(report),
-                               BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f)
+    (:func:`overlap_ckpt.costmodel.window.choose_window`), with the predicted step time and
+    ``f``, the fraction of a step a copy hides under (:func:`schedule_fraction` of a compiled
+    window where there is one). ``interval_steps=None``: the K of least stall per checkpoint
+    (the report's "best")."""
+    return choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
+                         state_bytes_per_device(report), grad_bytes_per_device(report),
+                         BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f)
 
 
 def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVERLAPPABLE_FRACTION) -> list[str]:

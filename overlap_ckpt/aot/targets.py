@@ -16,7 +16,8 @@ from typing import Any
 import jax
 import numpy as np
 
-from . import gpu_specs
+from ..costmodel import gpu_specs
+from ..costmodel.hardware import TPU_FIGURES, Hardware, h100_hardware, hardware_of, tpu_hardware
 
 GB = 1e9
 INSTALL_HINT = 'pip install "overlap_ckpt[aot]"'
@@ -45,18 +46,6 @@ class Target:
         return jax.sharding.Mesh(np.array(self.devices), (axis,))
 
 
-# Published per-chip figures (Google Cloud TPU system architecture pages): bf16 peak,
-# HBM bandwidth and size. The host link of a TPU chip is not published; the value is an
-# assumption (PCIe Gen4 x16, ~25 GB/s effective per chip), override it with host_gbps=.
-_TPU = {
-    "v4": (275e12, 1228 * GB, 32 * 2**30),
-    "v5e": (197e12, 819 * GB, 16 * 2**30),
-    "v5p": (459e12, 2765 * GB, 95 * 2**30),
-    "v6e": (918e12, 1640 * GB, 32 * 2**30),
-}
-TPU_HOST_LINK_BYTES_PER_S = 25 * GB
-
-
 def get_target(name: str, *, host_gbps: float | None = None) -> Target:
     """``"cpu"``, ``"h100"``, a TPU topology such as ``"v5e:2x2"`` / ``"v6e:2x4"``, or
     ``"gpu"``: this machine's own GPUs, where the programs can also run (``--measure``)."""
@@ -67,70 +56,10 @@ def get_target(name: str, *, host_gbps: float | None = None) -> Target:
     if name == "gpu":
         return _local_gpu_target(host_gbps)
     generation = name.split(":")[0]
-    if generation in _TPU and ":" in name:
+    if generation in TPU_FIGURES and ":" in name:
         return _tpu_target(name, generation, host_gbps)
     raise TargetError(f"unknown target {name!r}: use cpu, gpu, h100 or a TPU topology "
-                      f"<generation>:<shape> with generation in {sorted(_TPU)} (e.g. v5e:2x2)")
-
-
-@dataclasses.dataclass(frozen=True)
-class Hardware:
-    """The per-device numbers of an accelerator that the stall prediction needs."""
-
-    peak_flops: float  # dense bf16
-    hbm_bytes_per_s: float
-    host_link_bytes_per_s: float  # device -> host
-    device_memory_bytes: float
-    sources: str  # where the numbers come from, for reports
-
-
-def tpu_hardware(generation: str, host_gbps: float | None = None) -> Hardware:
-    flops, hbm, memory = _TPU[generation]
-    host = host_gbps * GB if host_gbps else TPU_HOST_LINK_BYTES_PER_S
-    return Hardware(flops, hbm, host, memory,
-                    f"TPU {generation}: bf16 peak {flops / 1e12:.0f} TFLOP/s, HBM {hbm / GB:.0f} GB/s "
-                    f"(Cloud TPU docs); host link {host / GB:.0f} GB/s per chip "
-                    f"({'given' if host_gbps else 'assumed: unpublished, PCIe Gen4 x16'})")
-
-
-def _gpu_hardware(hbm_bytes_per_s: float, memory_bytes: float, described: str, host_gbps: float | None,
-                  link_note: str = "") -> Hardware:
-    """A Hopper GPU: the H100's bf16 rate, and XLA's H100 PCIe figure unless ``host_gbps``."""
-    host = host_gbps * GB if host_gbps else gpu_specs.H100_PCIE_BYTES_PER_S
-    where = "given" if host_gbps else "pcie_bandwidth of the spec" + link_note
-    return Hardware(gpu_specs.H100_BF16_FLOPS, hbm_bytes_per_s, host, memory_bytes,
-                    f"{described}, bf16 peak {gpu_specs.H100_BF16_FLOPS / 1e12:.0f} TFLOP/s; host link "
-                    f"{host / GB:.1f} GB/s ({where})")
-
-
-def h200_hardware(host_gbps: float | None = None) -> Hardware:
-    return _gpu_hardware(gpu_specs.H200_HBM_BYTES_PER_S, gpu_specs.H200_DEVICE_MEMORY_BYTES,
-                         f"H200 SXM (the H100's chip): HBM {gpu_specs.H200_HBM_BYTES_PER_S / GB:.0f} GB/s (NVIDIA "
-                         "datasheet)", host_gbps, " of XLA's H100: both PCIe Gen5 x16")
-
-
-def h100_hardware(host_gbps: float | None = None) -> Hardware:
-    return _gpu_hardware(gpu_specs.H100_HBM_BYTES_PER_S, gpu_specs.H100_DEVICE_MEMORY_BYTES,
-                         f"H100 SXM from XLA's h100_sxm.txtpb: HBM {gpu_specs.H100_HBM_BYTES_PER_S / GB:.0f} GB/s",
-                         host_gbps)
-
-
-# jax's device_kind of each TPU generation (compile-only topologies report the same).
-_TPU_KINDS = {"tpu v4": "v4", "tpu v5 lite": "v5e", "tpu v5e": "v5e", "tpu v5": "v5p", "tpu v5p": "v5p",
-              "tpu v6 lite": "v6e", "tpu v6e": "v6e"}
-
-
-def hardware_of(device: Any, host_gbps: float | None = None) -> Hardware | None:
-    """The numbers of a real (or compile-only) device from its ``device_kind``; None for a
-    kind this module has no figures for (``window="auto"`` then measures instead)."""
-    kind = str(getattr(device, "device_kind", "")).strip().lower()
-    if kind in _TPU_KINDS:
-        return tpu_hardware(_TPU_KINDS[kind], host_gbps)
-    if "h100" in kind:
-        return h100_hardware(host_gbps)
-    if "h200" in kind:
-        return h200_hardware(host_gbps)
-    return None
+                      f"<generation>:<shape> with generation in {sorted(TPU_FIGURES)} (e.g. v5e:2x2)")
 
 
 def _tpu_target(name: str, generation: str, host_gbps: float | None) -> Target:
@@ -170,7 +99,7 @@ def _h100_target(host_gbps: float | None) -> Target:
 
 def _local_gpu_target(host_gbps: float | None) -> Target:
     """This machine's GPUs: the programs compile for the real device and can run on it, so
-    the prediction can be set beside a measurement (:mod:`overlap_ckpt.aot.device_check`)."""
+    the prediction can be set beside a measurement (:mod:`overlap_ckpt.tools.aot.device_check`)."""
     try:
         devices = jax.devices("gpu")
     except RuntimeError:
@@ -188,8 +117,8 @@ def _local_gpu_target(host_gbps: float | None) -> Target:
 
 def _cpu_target(host_gbps: float | None) -> Target:
     """This machine's CPU devices, with measured numbers: the one target where the
-    prediction can be checked against a run (:mod:`overlap_ckpt.aot.calibrate`)."""
-    from .calibrate import measure_cpu_flops, measure_host_copy_bytes_per_s, measure_memory_bytes_per_s
+    prediction can be checked against a run (:mod:`overlap_ckpt.costmodel.hardware`)."""
+    from ..costmodel.hardware import measure_cpu_flops, measure_host_copy_bytes_per_s, measure_memory_bytes_per_s
 
     host = host_gbps * GB if host_gbps else measure_host_copy_bytes_per_s()
     memory = measure_memory_bytes_per_s()

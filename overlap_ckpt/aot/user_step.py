@@ -9,7 +9,7 @@ from typing import Any
 import jax
 
 from ..core import backend
-from ..core.capture import WindowTicket
+from ..core.ticket import WindowTicket
 from ..core.engine import MemorySink, OverlapEngine
 from ..core.plan import CapturePlan
 from ..core.window_context import window_ticket

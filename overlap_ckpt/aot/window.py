@@ -13,9 +13,9 @@ from typing import Callable, Iterator
 
 import jax
 
-from ..core.capture import WindowTicket
 from ..core.packing import SMALL_COPY_BYTES
 from ..core.plan import CapturePlan
+from ..core.ticket import WindowTicket
 from .programs import ProgramReport, compile_program
 from .targets import Target
 

@@ -38,67 +38,12 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 from . import packing, scalars
 from .interp import InterpretError, interpret
-from .packing import Packing
 from .plan import CapturePlan, LeafLayout
+from .ticket import Outbox, WindowTicket
 from .separability import flat_update_fn, input_tokens, optax_step_fn
 from .slicing import Piece
 
 HOST_KIND = "pinned_host"  # the memory kind jax.memory.Space.Host means on every backend
-
-
-@jax.tree_util.register_static
-@dataclasses.dataclass(frozen=True)
-class WindowTicket:
-    """Tells a train step to capture ``phase`` of a window planned by ``plan``."""
-
-    plan: CapturePlan
-    phase: int
-    capture: bool = True  # False: run the window's update, copy nothing (a skipped window)
-    # Unit axes put in front of every host copy (see :func:`to_host`): set at trace time by
-    # window_context.ticket_for to cover every state in a window in that step; 0 (the
-    # functional core's tickets): what the plan's own leaves need. Not part of the ticket's
-    # identity: the manager matches the outbox against the ticket it sent.
-    lead_axes: int = dataclasses.field(default=0, compare=False)
-
-    def __post_init__(self) -> None:
-        if not 0 <= self.phase < self.plan.k:
-            raise ValueError(f"window phase {self.phase} outside 0..{self.plan.k - 1}")
-
-    @property
-    def last(self) -> bool:
-        return self.phase == self.plan.k - 1
-
-    def __repr__(self) -> str:
-        return (f"WindowTicket(phase {self.phase} of {self.plan.k}"
-                f"{'' if self.capture else ', no capture'}, {self.plan!r})")
-
-
-@dataclasses.dataclass
-class Outbox:
-    """The host copies one window step produced (see the module docstring).
-
-    With a packed outbox (:mod:`overlap_ckpt.core.packing`, GPU and TPU) the captured arrays
-    are in ``packed``, one host copy per element width and group, and ``packing`` says which
-    lists they belong to; the lists then hold only the items not packed (on TPU, the large
-    ones), in item order. :func:`overlap_ckpt.core.packing.unpacked` gives back full lists.
-    """
-
-    ticket: WindowTicket
-    state: list[jax.Array]
-    shared: list[jax.Array]
-    grads: list[jax.Array]
-    globals: list[jax.Array]
-    extras: list[jax.Array]
-    packed: list[jax.Array] = dataclasses.field(default_factory=list)
-    packing: Packing | None = None
-
-    def map(self, fn: Callable[[jax.Array], Any]) -> "Outbox":
-        """The same outbox with ``fn`` applied to every array (a door's view of its arrays)."""
-        return jax.tree.map(fn, self)
-
-
-jax.tree_util.register_dataclass(Outbox, data_fields=["state", "shared", "grads", "globals", "extras", "packed"],
-                                 meta_fields=["ticket", "packing"])
 
 
 _LEAD_AXES = contextvars.ContextVar("overlap_ckpt_lead_axes", default=0)

@@ -27,8 +27,8 @@ import optax
 from ..errors import CheckpointFailure, ConfigError, InternalError, UnsupportedOptimizerError, WindowAborted, brief
 from ..gil import background
 from .buffers import HostBuffers, trim_host_memory
-from . import backend, packing
-from .capture import Outbox, WindowTicket
+from . import backend
+from .ticket import Outbox, WindowTicket, unpacked
 from .plan import CapturePlan, make_plan
 from .replay import UNREPORTED_STEP, ReplayPrograms, WindowReplay
 from .schedule import WindowSchedule, WindowTracker
@@ -315,7 +315,7 @@ class OverlapEngine:
 
     def footprint(self) -> tuple[int, int]:
         """(copy, scratch): the bytes of one host copy of the current plan's state, and the
-        most the replay and the sink hold besides it (see :mod:`overlap_ckpt.host_budget`)."""
+        most the replay and the sink hold besides it (see :mod:`overlap_ckpt.manager.host_budget`)."""
         plan = self.plan
         extras = sum(layout.rows * layout.row_bytes for layout in plan.extras)
         return plan.state_bytes + extras, self._programs[plan].scratch_bytes() + SINK_STAGING_BYTES
@@ -392,7 +392,7 @@ class OverlapEngine:
                 if window is None or window.plan != ticket.plan or window.version != version:
                     continue  # joined mid-window (e.g. after a resume): wait for the next one
                 start = time.perf_counter()
-                window.receive(packing.unpacked(item.outbox))
+                window.receive(unpacked(item.outbox))
                 end = time.perf_counter()
                 self._set_window_bytes(window.buffers.held_bytes)
                 self.replay_seconds += end - start

@@ -26,7 +26,8 @@ from typing import Any
 
 import jax
 
-from .capture import Outbox, WindowTicket, capture_extras, capture_grads, capture_state, recorded_update
+from .capture import capture_extras, capture_grads, capture_state, recorded_update
+from .ticket import Outbox, WindowTicket
 
 
 @jax.jit

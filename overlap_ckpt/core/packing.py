@@ -26,7 +26,7 @@ copies are the small ones (XLA:TPU overlapped every copy over 1 MiB of the tiny 
 and serialized many of those under it), while packing a large leaf costs device memory
 (XLA:TPU relays out each (8,128)-tiled leaf into the 1-D array: 7.7 GiB of temporaries for
 the 1B LM packed whole). The other items keep a copy of their own, in the outbox's lists,
-in item order; :func:`unpacked` merges the two back.
+in item order; :func:`overlap_ckpt.core.ticket.unpacked` merges the two back.
 """
 
 from __future__ import annotations
@@ -44,21 +44,12 @@ from ..gil import yielding
 from ..hostarray import HostShard, Index, index_key, normalize_index
 from .slicing import Piece
 
-if TYPE_CHECKING:  # plan.py asks packable() whether a plan packs; capture.py packs
-    from .capture import Outbox
+if TYPE_CHECKING:  # types only: plan.py decides whether a plan packs, capture.py packs
     from .plan import CapturePlan, LeafLayout
 
 # A serialized copy of at most this many bytes is tolerated by the compiled-program check
 # (overlap_ckpt.aot.window): at a TPU host link (~25 GB/s) it blocks for ~40 us.
 SMALL_COPY_BYTES = 1 << 20
-# TPU plans pack the items of at most this many bytes per device (make_plan). Measured on
-# v5e:2x2 (NNX LM, K=2): at 64 KiB every copy of the tiny LM overlaps, and the 20m LM's
-# phases stay within plain + outbox with the copies XLA still serializes all at most
-# SMALL_COPY_BYTES; at 1 MiB the 20m LM's packed group cost 23 MiB of device memory beyond
-# its outbox (the relayout of the tiled leaves into the 1-D array).
-TPU_PACK_MAX_BYTES = 64 << 10
-
-
 @dataclasses.dataclass(frozen=True)
 class Item:
     """One outbox array: rows ``piece.start:piece.stop`` of every local block of the leaf
@@ -146,26 +137,6 @@ class Packing:
     grads: bool = False
 
 
-def unpacked(outbox: Outbox) -> Outbox:
-    """``outbox`` with its packed host copies cut back into the per-leaf lists an unpacked
-    outbox carries (views, no copy), merged in item order with the items copied on their
-    own (:func:`selected`); an unpacked outbox as it is."""
-    layout = outbox.packing
-    if layout is None:
-        return outbox
-    plan, phase = outbox.ticket.plan, outbox.ticket.phase
-    items = phase_items(plan, phase, layout.extras)
-    state_items = items.state_items()
-    n_state = len(groups([item for item, packed in zip(state_items, selected(plan, state_items)) if packed]))
-    own = [*outbox.state, *outbox.shared, *(outbox.extras if layout.extras else [])]
-    arrays = iter(merge(plan, state_items, outbox.packed[:n_state], own))
-    parts = {name: [next(arrays) for _ in entries] for name, entries in items.parts()}
-    grads = merge(plan, grad_items(plan, phase), outbox.packed[n_state:], outbox.grads) if layout.grads else outbox.grads
-    return dataclasses.replace(outbox, state=parts["state"], shared=parts["shared"], grads=grads,
-                               extras=parts["extras"] if layout.extras else outbox.extras,
-                               packed=[], packing=None)
-
-
 def selected(plan: CapturePlan, items: Sequence[Item]) -> list[bool]:
     """Per item of a plan that packs: whether it travels packed (at most the plan's
     ``pack_max_bytes`` per device; every item when that is None) or in a copy of its own."""
@@ -182,16 +153,6 @@ def merge(plan: CapturePlan, items: Sequence[Item], packed: Sequence[jax.Array],
     out = [next(cut) if packed_ else next(rest) for packed_ in mask]
     assert next(rest, None) is None, "more own copies than unpacked items"
     return out
-
-
-def packable(layouts: Sequence[LeafLayout]) -> bool:
-    """True when every leaf lives on one device, or all on one mesh (``NamedSharding``):
-    then each device can pack its own blocks. Other shardings are copied leaf by leaf."""
-    devices = {d for layout in layouts for d in layout.sharding.device_set}
-    if len(devices) == 1:
-        return True
-    meshes = {layout.sharding.mesh if isinstance(layout.sharding, NamedSharding) else None for layout in layouts}
-    return len(meshes) == 1 and None not in meshes
 
 
 def carrier(dtype: Any) -> np.dtype:
@@ -234,7 +195,7 @@ def pack(xs: Sequence[jax.Array], items: Sequence[Item], sharding: jax.sharding.
 
 def packed_sharding(plan: CapturePlan) -> jax.sharding.Sharding:
     """Where a plan's packed arrays live: the one device of its leaves, or every device of
-    their mesh, each holding its own part (:func:`packable` plans only these two cases)."""
+    their mesh, each holding its own part (:func:`overlap_ckpt.core.plan.packable` plans only these two cases)."""
     layouts = [*plan.params, *plan.state, *plan.extras]
     devices = {d for layout in layouts for d in layout.sharding.device_set}
     if len(devices) == 1:

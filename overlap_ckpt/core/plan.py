@@ -9,21 +9,38 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-from typing import Any
+from typing import Any, Sequence
 
 import jax
 import numpy as np
 import optax
+from jax.sharding import NamedSharding
 
 from ..errors import TreeMismatchError, UnsupportedOptimizerError
 from ..hostarray import index_key, is_prng_key, local_blocks, normalize_index, replica0_owners
 from ..hostarray import part_rows as hostarray_part_rows
 from . import backend
-from .packing import TPU_PACK_MAX_BYTES, packable
 from .separability import UpdateAnalysis, UpdateFn, analyze_update, optax_update_fn
 from .slicing import Piece, Slicing, make_slicing
 
 log = logging.getLogger(__name__)
+
+# TPU plans pack the items of at most this many bytes per device (make_plan). Measured on
+# v5e:2x2 (NNX LM, K=2): at 64 KiB every copy of the tiny LM overlaps, and the 20m LM's
+# phases stay within plain + outbox with the copies XLA still serializes all at most
+# packing.SMALL_COPY_BYTES; at 1 MiB the 20m LM's packed group cost 23 MiB of device memory beyond
+# its outbox (the relayout of the tiled leaves into the 1-D array).
+TPU_PACK_MAX_BYTES = 64 << 10
+
+
+def packable(layouts: Sequence[LeafLayout]) -> bool:
+    """True when every leaf lives on one device, or all on one mesh (``NamedSharding``):
+    then each device can pack its own blocks. Other shardings are copied leaf by leaf."""
+    devices = {d for layout in layouts for d in layout.sharding.device_set}
+    if len(devices) == 1:
+        return True
+    meshes = {layout.sharding.mesh if isinstance(layout.sharding, NamedSharding) else None for layout in layouts}
+    return len(meshes) == 1 and None not in meshes
 
 
 @dataclasses.dataclass(frozen=True)
@@ -306,7 +323,7 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
     large copies with compute but not hundreds of small ones (compile-only H100, 1B LM).
     ``pack_max_bytes``: pack only the items of at most this many bytes per device, the
     others keep a copy each; None: every item, except on TPU, where only items up to
-    :data:`~overlap_ckpt.core.packing.TPU_PACK_MAX_BYTES` are packed. XLA:TPU serialized most
+    :data:`TPU_PACK_MAX_BYTES` are packed. XLA:TPU serialized most
     small per-leaf copies of the tiny LMs but overlapped every larger one (all 877 of the
     1B LM on v5e:2x2), and packing every leaf there cost 7.7 GiB of device temporaries
     (each tiled leaf relaid out into the 1-D packed array). On the CPU the copy is a

@@ -41,7 +41,7 @@ from ..errors import WindowAborted
 from ..gil import yielding
 from ..hostarray import HostShard, index_key, normalize_index
 from . import backend, scalars
-from .capture import Outbox
+from .ticket import Outbox
 from .buffers import (MOVED, XLA_ALIGNMENT, BlockKey, HostBuffers, host_array, replicated_value, rows_of,
                       store_piece, trim_host_memory, unlead)
 from .interp import InterpretError, interpret

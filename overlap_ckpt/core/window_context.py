@@ -37,9 +37,10 @@ from typing import Any, Iterator, Mapping
 
 import jax
 
-from .capture import WindowTicket, lead_axes
+from .capture import lead_axes
 from .plan import CapturePlan
 from .schedule import WindowSchedule
+from .ticket import WindowTicket
 
 _TICKETS = jax.make_user_context(default_value=())
 _HANDED = threading.local()  # .by_owner: WeakKeyDictionary {manager: its ticket}, this thread's

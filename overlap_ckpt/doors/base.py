@@ -37,7 +37,7 @@ from typing import Any, Callable, Protocol
 import jax
 import optax
 
-from ..core.capture import Outbox
+from ..core.ticket import Outbox
 from ..hostarray import HostArray, is_prng_key
 
 

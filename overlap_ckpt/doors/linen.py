@@ -39,7 +39,8 @@ import numpy as np
 from flax.training import train_state
 
 from ..core import backend
-from ..core.capture import Outbox, capture_update
+from ..core.capture import capture_update
+from ..core.ticket import Outbox
 from ..core.window_context import ticket_for
 from ..hostarray import HostArray
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox

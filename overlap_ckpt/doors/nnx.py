@@ -48,8 +48,9 @@ import jax
 from flax import nnx
 
 from ..core import backend
-from ..core.capture import Outbox, captured_update
+from ..core.capture import captured_update
 from ..core.extra_args import check_extra_update_args
+from ..core.ticket import Outbox
 from ..core.window_context import is_planned, ticket_for
 from .base import Parts, abstract_parts, committed, host_copy, keys_as_data, keys_like, refuse_stale_outbox
 

@@ -287,6 +287,18 @@ class CheckpointStore:
         raise CorruptCheckpointError(f"every checkpoint in {self.directory} is damaged ({complete}).",
                                      path=self.directory)
 
+    def step_to_restore(self) -> int:
+        """The step ``CheckpointManager.restore()`` reads: the newest intact one (a damaged
+        newer step is skipped), checked before anything is read."""
+        if self.latest_step() is None:
+            self.check_not_foreign()
+            raise CheckpointNotFoundError(f"no checkpoint in {self.directory}", path=self.directory)
+        return self.latest_intact_step()
+
+    def promote_newest(self) -> None:
+        """Nothing to promote: every step of this store is already where it stays."""
+        return None
+
     def check_not_foreign(self) -> None:
         """Raise when the directory holds no Orbax-layout step but looks like another
         format's checkpoints (Flax ``checkpoint_N`` files...): starting from scratch there

@@ -446,7 +446,7 @@ def cmd_aot(args) -> int:
     # of the same program, with nothing dumped: every program here is compiled.
     jax.config.update("jax_enable_compilation_cache", False)
     from ..aot import TargetError, get_target
-    from ..aot.benchmark import aot_report
+    from .aot.benchmark import aot_report
 
     if args.measure and args.target not in ("cpu", "gpu"):
         raise UserError("--measure runs the programs, so it needs the device: use it with --target cpu, "

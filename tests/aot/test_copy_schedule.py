@@ -6,10 +6,10 @@ the latency hint, at the top of the program. Reference: the positions are counte
 compiled program's own schedule; the plain step must not change with the hint."""
 
 from benchmarks.bench_copy_schedule import host_copy_positions
-from overlap_ckpt.aot.lm_step import lm_setup, lower_with, plan_window
+from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_with, plan_window
 from overlap_ckpt.aot.programs import fingerprint
-from overlap_ckpt.copy_schedule import CopyScheduleHints
-from overlap_ckpt.core.capture import WindowTicket
+from overlap_ckpt.manager.copy_schedule import CopyScheduleHints
+from overlap_ckpt.core.ticket import WindowTicket
 
 from .conftest import target_or_skip
 

@@ -10,10 +10,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from overlap_ckpt.aot import device_check, get_target, predict
-from overlap_ckpt.aot.benchmark import _start
-from overlap_ckpt.aot.lm_step import lm_setup, lower_with, plan_window
-from overlap_ckpt.aot.targets import gpu_specs, hardware_of
+from overlap_ckpt.aot import get_target, predict
+from overlap_ckpt.costmodel import gpu_specs
+from overlap_ckpt.costmodel.hardware import hardware_of
+from overlap_ckpt.tools.aot import device_check
+from overlap_ckpt.tools.aot.benchmark import _start
+from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_with, plan_window
 from overlap_ckpt.aot.window import compiled_phases
 
 from conftest import compile_threads

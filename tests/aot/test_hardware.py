@@ -4,7 +4,7 @@ and ``overlap-ckpt aot``'s use the same figures."""
 
 import pytest
 
-from overlap_ckpt.aot.targets import hardware_of
+from overlap_ckpt.costmodel.hardware import hardware_of
 
 from .conftest import TPU_TARGET, target_or_skip
 

@@ -11,10 +11,10 @@ same step written with plain optax; device memory with the plain step's.
 import jax
 import pytest
 
-from overlap_ckpt.aot.lm_step import lm_setup, lower_reference, lower_with, plan_window
+from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_reference, lower_with, plan_window
 from overlap_ckpt.aot.window import compile_window
-from overlap_ckpt.core.capture import WindowTicket
-from overlap_ckpt.core.packing import TPU_PACK_MAX_BYTES
+from overlap_ckpt.core.plan import TPU_PACK_MAX_BYTES
+from overlap_ckpt.core.ticket import WindowTicket
 
 from .conftest import TPU_TARGET, assert_within_plain_plus_outbox, target_or_skip
 

@@ -11,7 +11,7 @@ import pytest
 from flax.training import train_state
 
 import overlap_ckpt as oc
-from overlap_ckpt.core.capture import WindowTicket
+from overlap_ckpt.core.ticket import WindowTicket
 from overlap_ckpt.core.plan import make_plan
 from overlap_ckpt.core.window_context import window_ticket
 from overlap_ckpt.doors.base import committed

@@ -79,7 +79,7 @@ def test_submit_drops_windows_the_run_does_not_capture():
     engine.start(4)  # a resume at 4: the window of 4 began at step 3
     ticket = engine.ticket(4)
     assert ticket is not None and ticket.phase == 1  # the step still runs the window variant
-    from overlap_ckpt.core.capture import Outbox
+    from overlap_ckpt.core.ticket import Outbox
     assert engine.submit(4, Outbox(ticket, [], [], [], [], [])) is False
     engine.close()
 
@@ -92,7 +92,7 @@ def test_a_closed_engine_refuses_outboxes_and_its_flush_returns():
     engine = OverlapEngine(tx, MemorySink(), interval=4, window=1)
     engine.plan_for(params, tx.init(params), {"step": jnp.int32(0)})
     ticket = engine.ticket(3)
-    from overlap_ckpt.core.capture import Outbox
+    from overlap_ckpt.core.ticket import Outbox
     engine.close()
     waiting = threading.Thread(target=engine.wait_until_finished, daemon=True)
     waiting.start()

@@ -18,7 +18,9 @@ import optax
 import pytest
 
 from overlap_ckpt.core import packing
-from overlap_ckpt.core.capture import WindowTicket, capture_state
+from overlap_ckpt.core.capture import capture_state
+from overlap_ckpt.core import ticket
+from overlap_ckpt.core.ticket import WindowTicket
 from overlap_ckpt.core.plan import make_plan
 
 from conftest import REPO, make_params, run_python
@@ -117,7 +119,7 @@ def test_one_host_copy_per_element_width_cut_back_into_views_of_the_leaves_rows(
         copies.append(len(outbox.packed))
         assert len(outbox.packed) == len(widths)
         assert {x.sharding.memory_kind for x in outbox.packed} == {"pinned_host"}
-        unpacked = packing.unpacked(outbox)
+        unpacked = ticket.unpacked(outbox)
         buffers = [(x.addressable_shards[0].data.unsafe_buffer_pointer(), x.nbytes) for x in outbox.packed]
         sources = {"params": jax.tree.leaves(params), "state": jax.tree.leaves(opt_state)}
         entries = [entry for _, part in packing.phase_items(plan, phase, False).parts() for entry in part]
@@ -151,7 +153,7 @@ def test_hybrid_outbox_packs_the_small_items_and_copies_the_others_on_their_own(
         assert mask == [item.local_bytes <= 100 for item in items] and any(mask) and not all(mask)
         assert len(outbox.state) + len(outbox.shared) == mask.count(False)
         assert len(outbox.packed) == len(packing.groups([i for i, m in zip(items, mask) if m]))
-        got = packing.unpacked(outbox)
+        got = ticket.unpacked(outbox)
         want = jax.jit(capture_state)(WindowTicket(reference, phase), params, opt_state, None)
         assert got.packed == [] and got.packing is None
         entries = [entry for _, part in packing.phase_items(plan, phase, False).parts() for entry in part]

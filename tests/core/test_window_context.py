@@ -191,7 +191,7 @@ def test_the_keys_of_a_shared_step_cover_windows_far_apart():
     combination the step runs under in the first manager's windows, and only those."""
     import dataclasses as dc
 
-    from overlap_ckpt.core.capture import WindowTicket
+    from overlap_ckpt.core.ticket import WindowTicket
     from overlap_ckpt.core.schedule import WindowSchedule
     from overlap_ckpt.core.window_context import keyed, shared_step_keys
 

@@ -15,7 +15,7 @@ come from the environment:
 * ``FAULT=killsubmit:<phase>:<version>``  SIGKILL right after the training thread handed
   phase ``phase`` of the window of ``version`` to the engine (capture/replay in flight).
   The worker first waits for earlier checkpoints, so what was committed is known.
-* ``PREEMPT=<deadline_s>``  install :mod:`overlap_ckpt.preemption`; ``STEP_SLEEP`` slows
+* ``PREEMPT=<deadline_s>``  install :mod:`overlap_ckpt.manager.preemption`; ``STEP_SLEEP`` slows
   steps so a parent can send SIGTERM mid-run.
 
 stdout: one JSON object per line: ``step`` (loss as float32 bits), ``commit``, ``error``, ``done``.

@@ -17,7 +17,7 @@ import time
 import numpy as np
 import pytest
 
-from overlap_ckpt import peers
+from overlap_ckpt.tiers import peers
 from overlap_ckpt.storage import CheckpointError, CheckpointStore, SingleProcess, commit
 from overlap_ckpt.storage.location import LocalLocation
 

@@ -1,4 +1,4 @@
-"""The peer replicas' bulk transport (overlap_ckpt.replica_transport): a message's bytes go
+"""The peer replicas' bulk transport (overlap_ckpt.tiers.transport): a message's bytes go
 from the sender's transfer server to the receiver, not through the key-value store.
 
 In one process (two or three Channels over a dict standing in for the key-value store,
@@ -23,7 +23,8 @@ import time
 import numpy as np
 import pytest
 
-from overlap_ckpt import peers, replica_transport
+from overlap_ckpt.tiers import peers
+from overlap_ckpt.tiers import transport as replica_transport
 from overlap_ckpt.storage import CheckpointError
 
 from e2e.test_multiprocess import free_port, run_processes
@@ -142,12 +143,12 @@ def test_a_process_without_a_transfer_server_uses_the_store_and_says_so(monkeypa
     with monkeypatch.context() as m:
         m.setattr(replica_transport, "_started", {})
         m.setattr(replica_transport, "_start_server", cannot_start)
-        with caplog.at_level(logging.WARNING, logger="overlap_ckpt.replica_transport"):
+        with caplog.at_level(logging.WARNING, logger="overlap_ckpt.tiers.transport"):
             receiver = peers.Channel(kv, "ns", 1)  # "another process", whose server cannot start
     assert "could not start (RuntimeError: no CPU backend here)" in caplog.text
     assert kv.values["ns/bulk/1"] == ""
     data = random_bytes(300)
-    with caplog.at_level(logging.WARNING, logger="overlap_ckpt.replica_transport"):
+    with caplog.at_level(logging.WARNING, logger="overlap_ckpt.tiers.transport"):
         sender.send("m", data, [1], step=3)
     assert "process 1 has no replica transfer server" in caplog.text
     head, got = receiver.receive("m", 1000)

@@ -1,5 +1,5 @@
 """One process of the replica transport's multi-process tests (jax.distributed + gloo on
-127.0.0.1): :class:`overlap_ckpt.peers.Channel` between real processes, its bytes through
+127.0.0.1): :class:`overlap_ckpt.tiers.peers.Channel` between real processes, its bytes through
 the transfer servers.
 
 ``--mode ring``: each process sends messages of ``--sizes`` bytes (seeded random bytes) to
@@ -77,7 +77,7 @@ def main() -> int:
     args = ap.parse_args()
     jax.distributed.initialize(coordinator_address=f"127.0.0.1:{args.port}", num_processes=args.nprocs,
                                process_id=args.pid, initialization_timeout=30, heartbeat_timeout_seconds=60)
-    from overlap_ckpt import peers
+    from overlap_ckpt.tiers import peers
     from overlap_ckpt.storage import CheckpointError
     from overlap_ckpt.storage.coordination import distributed_client
 
