@@ -49,7 +49,7 @@ def host_copy_positions(hlo_text: str) -> list[dict]:
 def latency_hint(copies: list[dict], link_gbps: float, factor: float, directory: str) -> str:
     """A PGLE profile (text ``ProfiledInstructionsProto``) costing each host copy-start
     ``factor`` x its bytes at ``link_gbps``; returns its path."""
-    from overlap_ckpt.copy_schedule import write_profile
+    from overlap_ckpt.manager.copy_schedule import write_profile
 
     path = os.path.join(directory, "copy_latency_hint.pbtxt")
     write_profile(path, {c["start"]: c["bytes"] / (link_gbps * 1e3) * factor for c in copies})
@@ -73,7 +73,7 @@ def main() -> None:
 
     jax.config.update("jax_enable_compilation_cache", False)  # compile here, to read the schedule
     from overlap_ckpt.aot import device_check, get_target, lm_step
-    from overlap_ckpt.core.capture import WindowTicket
+    from overlap_ckpt.core.ticket import WindowTicket
 
     started = time.perf_counter()
 

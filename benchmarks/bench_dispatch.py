@@ -17,7 +17,7 @@ each checkpoint, each as a multiple of the no-checkpoint run's median; then the 
 every step, checkpoints' own steps included, and the worst step outside checkpoints. Why
 those two: a medians-only table hides the waits that come once per checkpoint (Orbax's
 ``save`` waiting for the previous one, a window waiting for host memory, logged by
-``overlap_ckpt.host_budget``). Last, the full (generation 2) garbage collections in the
+``overlap_ckpt.manager.host_budget``). Last, the full (generation 2) garbage collections in the
 measured span, on any thread: each holds the GIL, so the training thread waits that long if it
 needs the GIL meanwhile. ``--gc-freeze`` moves every object alive after the warm-up out of the
 collector's reach (``gc.collect(); gc.freeze()``, in every configuration at the same step), as

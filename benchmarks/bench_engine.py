@@ -32,7 +32,7 @@ import jax.numpy as jnp
 import optax
 
 from overlap_ckpt import OverlapEngine, capture_update
-from overlap_ckpt.core.capture import WindowTicket
+from overlap_ckpt.core.ticket import WindowTicket
 
 
 class DoneAtOnceSink:

@@ -39,8 +39,8 @@ MIB = 2**20
 def _programs(target_name: str, model: str, k: int):
     """(name, lowered, state bytes) of the plain step and each window phase of ``k``."""
     from overlap_ckpt.aot import get_target
-    from overlap_ckpt.aot.lm_step import lm_setup, lower_with, plan_window
-    from overlap_ckpt.core.capture import WindowTicket
+    from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_with, plan_window
+    from overlap_ckpt.core.ticket import WindowTicket
 
     target = get_target(target_name, host_gbps=1.0)  # the link speed is not used here
     setup = lm_setup(target, model, batch_per_device=2)

@@ -7,7 +7,7 @@ Run from the repository root::
     python -m benchmarks.bench_replicas --mib 1 --rounds 1 --processes 2   # smoke test
 
 One job of ``--processes`` processes on this machine (jax.distributed on 127.0.0.1, one CPU
-device each) sends ``--mib`` MiB messages through :class:`overlap_ckpt.peers.Channel`, as
+device each) sends ``--mib`` MiB messages through :class:`overlap_ckpt.tiers.peers.Channel`, as
 the peer replicas do (sha256 on both sides, head, pull, acknowledgement), once with the
 bulk transport and once with ``bulk=False`` (the key-value store only), in the same
 processes and rounds, the order of the two paths alternated each round. Per round:
@@ -86,7 +86,7 @@ def worker(args) -> None:
                                process_id=args.pid, initialization_timeout=60, heartbeat_timeout_seconds=600)
     import numpy as np
 
-    from overlap_ckpt import peers
+    from overlap_ckpt.tiers import peers
     from overlap_ckpt.storage.coordination import distributed_client
 
     raw = distributed_client()

@@ -228,7 +228,7 @@ def worker(spec: dict) -> dict:
     loss_final = float(loss)
     d2h = None
     if spec.get("measure_d2h"):  # after the RSS reading: its buffers are not the baseline's
-        from overlap_ckpt.costmodel import measure_d2h_bandwidth
+        from overlap_ckpt.costmodel.hardware import measure_d2h_bandwidth
         d2h = measure_d2h_bandwidth(nbytes=int(min(max(state_bytes, 16 << 20), 256 << 20)))
 
     out: dict[str, Any] = {
