@@ -80,9 +80,8 @@ def drain(manager: Any, deadline_s: float) -> tuple[bool, str | None, int | None
     def work() -> None:
         try:
             manager.wait_until_finished()
-            promoted = outcome["promoted"] = manager.store.promote_newest()
-            if promoted is not None:
-                manager.wait_until_finished()
+            outcome["promoted"] = manager.store.promote_newest()  # collective with a local tier
+            manager.wait_until_finished()  # on every process, whatever this one promoted
         except BaseException as e:  # noqa: BLE001 - reported, never raised in the handler
             outcome["error"] = f"{type(e).__name__}: {e}"
 

@@ -515,8 +515,9 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--target", required=True,
                    help="h100, a TPU topology such as v5e:2x2, v6e:2x2 (compile-only), cpu, or gpu (this machine's)")
     a.add_argument("--model", default="1b", choices=sorted(LMConfig.PRESETS), help="benchmark LM preset")
-    a.add_argument("--k", type=int, nargs="+", default=None,
-                   help="window sizes to compile (default: 1, what window='auto' picks, the best)")
+    a.add_argument("--k", type=int, nargs="+", action="extend", default=None,
+                   help="window sizes to compile (default: 1, what window='auto' picks, the best); "
+                        "--k 1 2 and --k 1 --k 2 alike")
     a.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
     a.add_argument("--batch-per-device", type=int, default=4)
     a.add_argument("--host-gbps", type=float, default=None, help="device->host GB/s per device")

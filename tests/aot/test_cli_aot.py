@@ -44,3 +44,11 @@ def test_the_gpu_target_without_a_gpu_is_one_line_naming_the_compile_only_target
 def test_profile_needs_the_gpu_measurement():
     r = aot("--target", "cpu", "--profile", "/tmp/x")
     assert r.returncode == 1 and "--target gpu --measure" in r.stderr and "Traceback" not in r.stderr
+
+
+def test_repeated_k_options_add_up():
+    """``--k 1 --k 2`` compiles both (argparse's default keeps only the last ``--k``)."""
+    from overlap_ckpt.tools.cli import build_parser
+
+    assert build_parser().parse_args(["aot", "--target", "cpu", "--k", "1", "--k", "2", "3"]).k == [1, 2, 3]
+    assert build_parser().parse_args(["aot", "--target", "cpu"]).k is None
