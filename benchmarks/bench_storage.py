@@ -170,13 +170,14 @@ def persist_phases(saved_at: float, marks: dict[str, float]) -> dict[str, float]
 
 class PhaseMarks:
     """Records when each storage stage first fires during one persist (a hook that injects no
-    fault: :func:`overlap_ckpt.storage.set_fault_hook`)."""
+    fault: :func:`overlap_ckpt.storage.set_fault_hook`), read off ``clock``."""
 
-    def __init__(self) -> None:
+    def __init__(self, clock: Callable[[], float] = time.perf_counter) -> None:
         self.marks: dict[str, float] = {}
+        self._clock = clock
 
     def __call__(self, stage: str, info: dict) -> None:
-        self.marks.setdefault(stage, time.perf_counter())
+        self.marks.setdefault(stage, self._clock())
 
 
 class TrainingLoad:
