@@ -126,8 +126,8 @@ def install(location: LocalLocation, step: int, archive: bytes | Chunks) -> None
                 continue
             data = tar.extractfile(member).read()
             location.write_bytes(f"{work}/{rel}", data)
-            if rel != layout.COMMIT_MARKER:  # commit() writes its own marker
-                sizes[rel] = len(data)
+            if rel not in (layout.COMMIT_MARKER, SIZES):  # commit() writes its own marker; the
+                sizes[rel] = len(data)  # record of a replica sent on is written anew below
     location.write_bytes(f"{work}/{SIZES}", layout.dumps(sizes))
     if location.is_dir(name):
         commit.delete_step(location, step)

@@ -55,6 +55,17 @@ def test_a_replica_is_a_byte_copy_that_restores(written, tmp_path):
     assert all(np.array_equal(restored[k], tree[k]) for k in tree)
 
 
+def test_a_replica_sent_on_again_is_intact_where_it_lands(written, tmp_path):
+    """A step packed from a replica directory (a process restored from its peer's replica,
+    then its own copy sent on) carries the first install's size record: the second install
+    records each file's size as it lands, its own record included, never the stale one."""
+    own, _ = written
+    first, second = LocalLocation(tmp_path / "first"), LocalLocation(tmp_path / "second")
+    peers.install(first, 4, peers.pack(own, 4))
+    peers.install(second, 4, peers.pack(first, 4))
+    assert peers.intact_steps(second, [4], "default", TAG) == [4]
+
+
 def test_a_truncated_or_uncommitted_replica_is_never_listed(written, tmp_path):
     own, _ = written
     held = LocalLocation(tmp_path / "held")
