@@ -45,7 +45,12 @@ cancels, as it does not in "other segments"). Against Orbax,
 each overlap loop is also compared round by round (``orbax_minus_this_by_round_s``): the
 loops of one round run within minutes of each other, so the drift between rounds cancels.
 The loop fetches its loss every ``--sync-every`` steps (1: every step, as
-``benchmarks.run``; 5, as most real loops do).
+``benchmarks.run``; 5, as many real loops do; 0: never inside a block, as a loop that only
+dispatches steps and logs asynchronously, where the runtime may run many steps ahead of
+Python). Where the cost goes, per checkpoint: the training thread's wall time in the
+jitted step's call, in the checkpointer's per-step call and at loss fetches, and the
+process's CPU seconds by thread group (``benchmarks.thread_cpu``: training, XLA's compute
+pool, overlap_ckpt's replay and persist threads, tensorstore, Orbax's threads).
 """
 
 from __future__ import annotations
@@ -59,6 +64,7 @@ import statistics
 import tempfile
 import time
 
+from benchmarks import thread_cpu
 from benchmarks.lm_loop import lm_loop
 from benchmarks.reporting import publish
 
@@ -71,7 +77,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--block", type=int, default=None, help="steps per turn (default: the longest interval)")
     ap.add_argument("--window", default="1", help="overlap K: an integer or 'auto'")
     ap.add_argument("--rounds", type=int, default=4)
-    ap.add_argument("--sync-every", type=int, default=5)
+    ap.add_argument("--sync-every", type=int, default=5,
+                    help="fetch the loss every this many steps; 0: never inside a block (a loop that never "
+                         "syncs), only its last step's, which ends the block's timing")
     ap.add_argument("--checksums", default="on", choices=("on", "off", "both"),
                     help="overlap loops whose chunks carry a crc32c (on: the default store), none, or one of each")
     ap.add_argument("--no-orbax", action="store_true", help="leave out the Orbax async loops")
@@ -142,32 +150,48 @@ def main(argv: list[str] | None = None) -> dict:
             if version is not None and not (on if t + 1 < first + block else next_on):
                 mngr.engine.windows.skip(version)
 
-        before = resource.getrusage(resource.RUSAGE_SELF)
+        before, threads_before = resource.getrusage(resource.RUSAGE_SELF), thread_cpu.read()
         persisted = len(mngr.store.history) if mngr is not None else 0
         saved = 0
         syncs = []  # seconds from the block's start to each fetched loss
+        # The training thread's wall time, by what it was doing: in the jitted step's call
+        # (dispatch, and a wait where the runtime blocks it), in the checkpointer's per-step
+        # call (mngr.step or Orbax's save), and at a loss fetch (waiting for the device).
+        spent = {"dispatch_s": 0.0, "checkpointer_s": 0.0, "fetch_s": 0.0}
         start = time.perf_counter()
         for t in range(first, first + block):
+            mark = time.perf_counter()
             state, loss = train_step(state, batches[t % len(batches)])
+            called = time.perf_counter()
+            spent["dispatch_s"] += called - mark
             if mngr is not None:
                 skip_ahead(t)
+                called = time.perf_counter()
                 state = mngr.step(state)
             elif on and (t + 1) % n == 0:
                 saved += bool(omngr.save(t + 1, args=ocp.args.StandardSave(
                     {"params": state.params, "opt_state": state.opt_state})))
-            if (t + 1 - first) % args.sync_every == 0 or t == first + block - 1:
+            mark = time.perf_counter()
+            spent["checkpointer_s"] += mark - called
+            if (args.sync_every and (t + 1 - first) % args.sync_every == 0) or t == first + block - 1:
                 float(loss)
                 syncs.append(time.perf_counter() - start)
+                spent["fetch_s"] += time.perf_counter() - mark
         end = time.perf_counter()
         drain(loop)
         drained = time.perf_counter()
         loop["state"], loop["t"] = state, first + block
         if mngr is not None:
             saved = len(mngr.store.history) - persisted
-        after = resource.getrusage(resource.RUSAGE_SELF)
+        after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu.read()
+        cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
+        by_thread = thread_cpu.by_group(threads_before, threads_after)
+        # A thread that started and ended between the readings (Orbax starts one per save)
+        # is seen by neither; the process's total holds it.
+        by_thread["threads that ended"] = cpu_s - sum(by_thread.values())
         return {"on": on, "first_step": first, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
-                "cpu_s": after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime,
-                "minor_faults": after.ru_minflt - before.ru_minflt, "sync_s": syncs}
+                "cpu_s": cpu_s, "minor_faults": after.ru_minflt - before.ru_minflt, "sync_s": syncs, **spent,
+                "thread_cpu_s": by_thread}
 
     # Each loop's blocks: on, off unmeasured (compiles, warms up, one checkpoint of each
     # kind), then on-off in even rounds and off-on in odd ones. One interval's loops at a
@@ -211,7 +235,8 @@ def interval_of(name: str) -> int:
 
 def summarize(report: dict) -> dict:
     """Per loop, the figures of the report's table from its blocks (``report["rows"]``)."""
-    rows, sync_every = report["rows"], report["sync_every"]
+    rows = report["rows"]
+    sync_every = report["sync_every"] or report["block"]  # 0: one segment, the whole block
 
     def rounds_of(name: str) -> list[tuple[dict, dict]]:
         """The (on, off) blocks of each round of a loop."""
@@ -278,6 +303,18 @@ def summarize(report: dict) -> dict:
             by_round.append(sum(d - drift for d in after) / on["ckpts"])
         return by_round
 
+    def breakdown(name: str) -> dict:
+        """Median over rounds of what a checkpoint adds, per checkpoint, to the training
+        thread's time in each kind of call and to each thread group's CPU seconds (reports
+        from before these were recorded have neither)."""
+        if "thread_cpu_s" not in rows[name][0]:
+            return {}
+        groups = sorted({g for row in rows[name] for g in row["thread_cpu_s"]})
+        return {"training_thread_per_ckpt_s": {key: per_ckpt(name, lambda row, key=key: row[key])
+                                               for key in ("dispatch_s", "checkpointer_s", "fetch_s")},
+                "thread_cpu_s_per_ckpt": {g: per_ckpt(name, lambda row, g=g: row["thread_cpu_s"].get(g, 0.0))
+                                          for g in groups}}
+
     return {name: {"n": interval_of(name),
                    "block_on_s_median": statistics.median(row["block_s"] for row in rows[name] if row["on"]),
                    "block_off_s_median": statistics.median(row["block_s"] for row in rows[name] if not row["on"]),
@@ -287,7 +324,8 @@ def summarize(report: dict) -> dict:
                    "cpu_s_per_ckpt": per_ckpt(name, lambda row: row["cpu_s"]),
                    "minor_faults_per_ckpt": per_ckpt(name, lambda row: row["minor_faults"]),
                    **dict(zip(("ckpt_segments_s", "other_segments_s"), per_ckpt_segments(name))),
-                   "spill_after_by_round_s": spill_after(name)}
+                   "spill_after_by_round_s": spill_after(name),
+                   **breakdown(name)}
             for name in rows}
 
 
@@ -301,7 +339,9 @@ def markdown(report: dict) -> str:
     lines = [f"# Cost per checkpoint by interval: {report['model']}, one process, {report['rounds']} rounds",
              "",
              f"Blocks of {report['block']} steps, checkpointing on and off in turn in the same loop; loss fetched "
-             f"every {report['sync_every']} steps; overlap window {report['window']}; load average at the end "
+             + (f"every {report['sync_every']} steps" if report["sync_every"] else
+                "only at each block's last step (no sync of any kind inside a block)")
+             + f"; overlap window {report['window']}; load average at the end "
              f"{report['loadavg_at_end'][0]:.1f}.",
              "",
              "| loop | N | block s on / off (median) | per checkpoint, training thread ms | per checkpoint, total ms | "
@@ -318,6 +358,24 @@ def markdown(report: dict) -> str:
                      f"{s['per_ckpt_training_s'] * 1e3:.0f} | {s['per_ckpt_total_s'] * 1e3:.0f} | {ratio} | "
                      f"{s['ckpt_segments_s'] * 1e3:.0f} | {s['other_segments_s'] * 1e3:.0f} | "
                      f"{s['cpu_s_per_ckpt']:.2f} | {faults:.0f} ({faults * 4096 / 2**20:.0f}) |")
+    broken_down = {name: s for name, s in summary.items() if "thread_cpu_s_per_ckpt" in s}
+    if broken_down:
+        groups = sorted({g for s in broken_down.values() for g, v in s["thread_cpu_s_per_ckpt"].items()
+                         if abs(v) >= 0.005}, key=lambda g: -max(abs(s["thread_cpu_s_per_ckpt"].get(g, 0.0))
+                                                                 for s in broken_down.values()))
+        lines += ["", "Where a checkpoint's time goes, per checkpoint (on block - off block, median over rounds). "
+                      "Training thread: wall time in the jitted step's call, in the checkpointer's per-step call "
+                      "(`mngr.step`, Orbax's `save`) and at loss fetches; then CPU seconds by thread over block "
+                      "and drain (groups with 5 ms or more).", "",
+                  "| loop | N | in step call ms | in checkpointer ms | at fetches ms | "
+                  + " | ".join(f"{g} CPU ms" for g in groups) + " |",
+                  "|---|--:|--:|--:|--:|" + "--:|" * len(groups)]
+        for name, s in broken_down.items():
+            wall = s["training_thread_per_ckpt_s"]
+            cpu = s["thread_cpu_s_per_ckpt"]
+            lines.append(f"| {name} | {s['n']} | " + " | ".join(
+                f"{wall[k] * 1e3:.0f}" for k in ("dispatch_s", "checkpointer_s", "fetch_s")) + " | "
+                + " | ".join(f"{cpu.get(g, 0.0) * 1e3:.0f}" for g in groups) + " |")
     for name, s in summary.items():
         diffs = s.get("orbax_minus_this_by_round_s")
         if diffs:

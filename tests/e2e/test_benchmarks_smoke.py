@@ -192,6 +192,58 @@ def test_bench_interval_ratio_of_a_drifted_cost_is_not_resolved():
     assert "overlap: total cost per checkpoint at N=50 against N=10: not resolved" in text
 
 
+def test_bench_interval_without_syncs_splits_a_checkpoints_cost_by_call_and_thread():
+    """--sync-every 0 (a loop that never syncs): each block is one loss-fetch segment, and
+    the breakdown is per checkpoint, on minus off, for the training thread's calls and for
+    each thread group's CPU seconds (a group seen in one block only counts as 0 in the other)."""
+    from benchmarks.bench_interval import markdown, summarize
+
+    def block(r, on, spent, cpu):
+        return {"round": r, "on": on, "first_step": 25, "block_s": 10.0 + spent, "drain_s": 0.0,
+                "ckpts": 1 if on else 0, "cpu_s": 0.0, "minor_faults": 0, "sync_s": [10.0 + spent],
+                "dispatch_s": 1.0, "checkpointer_s": spent, "fetch_s": 9.0, "thread_cpu_s": cpu}
+
+    rows = {"overlap N=50": [block(0, True, 0.3, {"training": 1.5, "persist": 0.4}), block(0, False, 0.0, {"training": 1.0}),
+                             block(1, False, 0.0, {"training": 1.0}), block(1, True, 0.1, {"training": 1.1, "persist": 0.2})]}
+    report = {"rows": rows, "rounds": 2, "block": 50, "sync_every": 0}
+    summary = summarize(report)["overlap N=50"]
+    assert summary["training_thread_per_ckpt_s"] == pytest.approx({"dispatch_s": 0.0, "checkpointer_s": 0.2,
+                                                                   "fetch_s": 0.0})
+    assert summary["thread_cpu_s_per_ckpt"] == pytest.approx({"training": 0.3, "persist": 0.3})
+    assert summary["ckpt_segments_s"] == pytest.approx(0.2) and summary["other_segments_s"] == 0
+    text = markdown(report | {"model": "20m", "window": 1, "loadavg_at_end": [1.0],
+                              "summary": {"overlap N=50": summary}})
+    assert "no sync of any kind inside a block" in text
+    assert "| overlap N=50 | 50 | 0 | 200 | 0 | 300 | 300 |" in text
+
+
+def test_thread_cpu_counts_each_named_thread_in_its_group():
+    """CPU seconds by thread group, from /proc: a library thread that burns 0.3 s of CPU is
+    counted under its job's name, and the training thread, which only waits, is not
+    charged for it."""
+    import time
+
+    from benchmarks import thread_cpu
+
+    burnt, finish = threading.Event(), threading.Event()
+
+    def replay():
+        end = time.thread_time() + 0.3
+        while time.thread_time() < end:
+            pass
+        burnt.set()
+        finish.wait(10)  # alive at the second reading: a thread that ended is seen by neither
+
+    worker = threading.Thread(target=replay, name="overlap-ckpt-replay")
+    before = thread_cpu.read()
+    worker.start()
+    burnt.wait(30)
+    spent = thread_cpu.by_group(before, thread_cpu.read())
+    finish.set()
+    worker.join()
+    assert spent["replay"] >= 0.28 and spent.get("training", 0.0) < 0.2, spent
+
+
 def resident_pages(path) -> int:
     """Pages of the file ``path`` in the page cache, as the kernel says (``mincore`` of a
     read-only mapping of it)."""
