@@ -11,7 +11,9 @@ honest (no JAX, no benchmark run: text only):
     or ``.png`` that a report so cited names (its data, its plot), or is the ``.json`` beside a
     report so cited (``reporting.publish`` writes the two together);
 (c) INDEX.md lists every such file and nothing else, and each file it says cites one does;
-(d) a kept report's names of other results resolve, and its Markdown links stay in ``results/``.
+(d) a kept report's names of other results resolve, and its Markdown links stay in ``results/``;
+(e) a kept report names, near its top, the commit of the code it measured (``benchmarks/reporting.py``
+    writes it; a report whose run did not record it names the commit that last wrote it).
 
 A citation is ``results/NAME`` (``benchmarks/results/NAME``, ``results/archive/NAME``) or a bare
 file name of the results' families (``gpu_h200_100m.md``), ending in .md, .json or .png;
@@ -24,6 +26,7 @@ import fnmatch
 import functools
 import os
 import re
+import subprocess
 
 from conftest import REPO
 
@@ -204,3 +207,28 @@ def test_kept_reports_resolve_their_citations():
                     and not os.path.exists(os.path.join(RESULTS, target)):
                 broken.append(f"{report} links to {target}, which is not in results/")
     assert not broken, "\n".join(broken)
+
+
+HEADER_LINES = 12
+HEX_RE = re.compile(r"\b[0-9a-f]{7,40}\b")
+
+
+def _commits(candidates: set[str]) -> set[str]:
+    """The candidates that name a commit of this repository; outside a git checkout, those
+    that could (hex with a letter in it, not a number)."""
+    if not os.path.isdir(os.path.join(REPO, ".git")):
+        return {c for c in candidates if re.search("[a-f]", c)}
+    ordered = sorted(candidates)
+    out = subprocess.run(["git", "cat-file", "--batch-check"], cwd=REPO, capture_output=True, text=True, check=True,
+                         input="".join(f"{c}^{{commit}}\n" for c in ordered)).stdout.splitlines()
+    return {c for c, line in zip(ordered, out) if not line.endswith("missing") and "ambiguous" not in line}
+
+
+def test_kept_reports_name_the_code_they_measured():
+    kept, _ = _files()
+    heads = {report: HEX_RE.findall("\n".join(_read(os.path.join(RESULTS, report)).splitlines()[:HEADER_LINES]))
+             for report in sorted(n for n in kept if n.endswith(".md"))}
+    commits = _commits({c for found in heads.values() for c in found})
+    unnamed = [report for report, found in heads.items() if not commits.intersection(found)]
+    assert not unnamed, (f"reports whose first {HEADER_LINES} lines name no commit of this repository (write them "
+                         "with benchmarks/reporting.publish, or name the commit they measured):\n" + "\n".join(unnamed))
