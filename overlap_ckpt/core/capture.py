@@ -192,12 +192,57 @@ def isolated_gradients(plan: CapturePlan, step: Any, grads):
     gradients are copied; the update stays in the step and writes the donated state in
     place. (A conditional around the whole update cannot alias donated buffers: it copied
     every state leaf, about 9% of a 20M-parameter LM's step on the CPU.)
+
+    On XLA:CPU the gradients enter the conditional in their units' capture layout, the
+    blocks the host replays (and the captured pieces' layout, so those cost no second
+    reshard): the update then runs on those blocks, as the replay does. Left to XLA, the
+    gradient of a replicated kernel came out sharded on columns with ``out_shardings``
+    from the state, and the kernel's update was computed in column-major fusions whose
+    rounding the host does not reproduce (see :func:`updated_apart`).
     """
     if plan.platform != "cpu":
         return jax.tree.map(jax.lax.optimization_barrier, grads)
     if step is None:
         raise ValueError("capture_update needs the runtime step counter (step=...) on the CPU backend")
-    return opaque(always_true(step), grads)
+    leaves, treedef = jax.tree.flatten(grads)
+    leaves = [_constrained(g, layout.sharding) for g, layout in zip(leaves, plan.params)]
+    return opaque(always_true(step), jax.tree.unflatten(treedef, leaves))
+
+
+def _constrained(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
+    """``x`` placed as ``sharding`` in the program (a mesh layout; not inside ``jax.pmap``)."""
+    if not isinstance(sharding, NamedSharding) or jax.sharding.get_abstract_mesh().manual_axes:
+        return x
+    return jax.lax.with_sharding_constraint(x, sharding)
+
+
+def updated_apart(plan: CapturePlan, step: Any, params, opt_state) -> tuple[Any, Any]:
+    """The new ``params`` and ``opt_state`` of a window step whose gradient the host replays
+    (XLA:CPU), with each leaf that the state keeps in another layout than its unit's capture
+    layout (:attr:`CapturePlan.apart`) computed in the capture layout, into a buffer of its
+    own (:func:`opaque`), and only then placed back where the state keeps it.
+
+    Why: the host replays each unit on the blocks of its capture layout, and XLA:CPU's
+    rounding of an elementwise update depends on the layout of the fusion that computes it.
+    With ``out_shardings`` taken from the state, replicated Adam moments beside a kernel
+    sharded on columns were updated on the kernel's column blocks and all-gathered along
+    axis 1 straight from the update's fusion. Layout assignment made that fusion
+    column-major, LLVM's loop vectorizer swapped the operands of ``0.1 * g + 0.9 * mu``, and
+    FMA contraction fused the other product: ``fma(mu, 0.9, 0.1 * g)`` on the device,
+    ``fma(g, 0.1, 0.9 * mu)`` in the host's row-major replay, the moment up to 154 ulp off.
+    A sharding constraint alone does not help (the fusion still feeds the all-gather); the
+    conditional's output is a buffer the update writes row-major, and the collective reads
+    that. Cost: a copy of those leaves' blocks per step, in these window steps only.
+    """
+    if not plan.apart:
+        return params, opt_state
+    taken = always_true(step)
+    leaves = jax.tree.leaves(params) + jax.tree.leaves(opt_state)
+    layouts = [*plan.params, *plan.state]
+    for i, placed in plan.apart:
+        leaves[i] = _constrained(opaque(taken, _constrained(leaves[i], layouts[i].sharding)), placed)
+    n = len(plan.params)
+    return jax.tree.unflatten(plan.params_def, leaves[:n]), jax.tree.unflatten(plan.state_def, leaves[n:])
 
 
 def cut_barrier(step: Any) -> Callable[[jax.Array], jax.Array]:
@@ -298,6 +343,8 @@ def _window_update(tx: optax.GradientTransformation, ticket: WindowTicket, param
             new_params, new_state, updates, cuts = recorded_update(plan, params, opt_state, grads, step)
         else:
             new_params, new_state, updates = optax_step_fn(tx)(params, opt_state, grads)
+        if plan.platform == "cpu":
+            new_params, new_state = updated_apart(plan, step, new_params, new_state)
     if not ticket.capture:
         # The same update as a captured step (its scalars stay outputs, so XLA compiles the
         # update the same way), without copies: the trajectory does not depend on skips.

@@ -222,12 +222,17 @@ class CapturePlan:
     # leaves were moved onto the state's mesh: what :meth:`matches` compares the live state
     # with. Not part of the plan's value (the layouts above are what the capture uses).
     placements: tuple = ()
+    # (flat index over params then opt_state, the live placement) of each leaf the state keeps
+    # in another layout than its unit's capture layout (:func:`placed_apart`): the window steps
+    # compute its update apart from that placement (overlap_ckpt.core.capture.updated_apart),
+    # so it is part of the plan's value.
+    apart: tuple[tuple[int, NamedSharding], ...] = ()
 
     def _key(self) -> tuple:
         return (self.tx.init, self.tx.update, self.params_def, self.state_def, self.extras_def,
                 tuple(self.params), tuple(self.state), tuple(self.extras), self.analysis,
                 self.slicing, self.chunked, self.platform, self.outbox_memory, self.pack_outbox,
-                self.pack_max_bytes)
+                self.pack_max_bytes, self.apart)
 
     def __eq__(self, other: object) -> bool:
         if self is other:
@@ -387,7 +392,19 @@ def make_plan(tx: optax.GradientTransformation, params, opt_state, extras, windo
         pack_max_bytes = TPU_PACK_MAX_BYTES
     return CapturePlan(tx, update, params_def, state_def, extras_def, params_l, state_l, extras_l,
                        analysis, slicing, chunk, platform, outbox_memory, pack_outbox,
-                       pack_max_bytes if pack_outbox else None, placements)
+                       pack_max_bytes if pack_outbox else None, placements,
+                       placed_apart(placements, [*params_l, *state_l]))
+
+
+def placed_apart(placements: Sequence[Any],
+                 layouts: Sequence[LeafLayout]) -> tuple[tuple[int, NamedSharding], ...]:
+    """``(index, placement)`` of each array leaf whose live placement (on the same devices)
+    is not the layout it is captured in: a unit member resliced to its unit's layout
+    (:func:`unit_layouts`), a replicated Adam moment beside a sharded parameter."""
+    return tuple((i, placed) for i, (placed, layout) in enumerate(zip(placements, layouts))
+                 if layout.shape and isinstance(placed, NamedSharding) and isinstance(layout.sharding, NamedSharding)
+                 and placed.device_set == layout.sharding.device_set
+                 and not placed.is_equivalent_to(layout.sharding, len(layout.shape)))
 
 
 def _leaf_names(prefix: str, tree: Any) -> list[str]:
