@@ -212,12 +212,14 @@ def test_without_a_cpu_backend_window_auto_keeps_k_1_and_says_why(tmp_path, no_c
     assert "window='auto' keeps K=1" in caplog.text and "JAX_PLATFORMS" in caplog.text
 
 
-def test_jit_compiler_options_hint_only_the_last_phase_compiled_ahead(tmp_path, monkeypatch):
+def test_jit_compiler_options_hint_every_capturing_phase_copied_leaf_by_leaf(tmp_path, monkeypatch):
     """The plumbing of the GPU copy schedule hint (its effect on XLA:GPU's schedule:
-    tests/aot/test_copy_schedule.py): the options name the hints directory, compile_ahead
-    prepares a profile for the last phase of the window only, and the checkpoints are those
-    of the state."""
-    from overlap_ckpt.manager.copy_schedule import PGLE_OPTION, CopyScheduleHints
+    tests/aot/test_copy_schedule.py): the options name the hints directory and the parallel
+    limit, the window plans copy leaf by leaf (also when the options are asked for after
+    prepare), compile_ahead prepares a profile for every phase of the window, and the
+    checkpoints are those of the state."""
+    from overlap_ckpt.manager.copy_schedule import (PARALLEL_LIMIT, PARALLEL_LIMIT_OPTION, PGLE_OPTION,
+                                                    CopyScheduleHints)
 
     prepared = []
     prepare = CopyScheduleHints.prepare
@@ -226,11 +228,17 @@ def test_jit_compiler_options_hint_only_the_last_phase_compiled_ahead(tmp_path, 
     with oc.CheckpointManager(tmp_path / "cpu", save_interval_steps=interval, window=2) as mngr:
         assert mngr.jit_compiler_options() == {}  # not a GPU: nothing to hint
     with emulate_accelerator("gpu"):
+        with oc.CheckpointManager(tmp_path / "late", save_interval_steps=interval, window=2) as mngr:
+            mngr.prepare(_train_state(optax.adam(1e-3)))
+            assert mngr.engine.plan.pack_outbox  # a GPU plan packs by default
+            mngr.jit_compiler_options(str(tmp_path / "late-hints"))
+            assert not mngr.engine.plan.pack_outbox
         with oc.CheckpointManager(tmp_path / "ckpt", save_interval_steps=interval, window=2) as mngr:
             options = mngr.jit_compiler_options(str(tmp_path / "hints"))
-            assert options == {PGLE_OPTION: str(tmp_path / "hints")}
+            assert options == {PGLE_OPTION: str(tmp_path / "hints"), PARALLEL_LIMIT_OPTION: str(PARALLEL_LIMIT)}
             step = jax.jit(_step.__wrapped__, donate_argnums=0, compiler_options=options)
             state = mngr.prepare(_train_state(optax.adam(1e-3)))
+            assert not mngr.engine.plan.pack_outbox
             mngr.compile_ahead(step, state, x)
             references = {}
             for t in range(2 * interval + 1):
@@ -238,7 +246,7 @@ def test_jit_compiler_options_hint_only_the_last_phase_compiled_ahead(tmp_path, 
                 if (t + 1) % interval == 0:
                     references[t + 1] = jax.device_get((state.params, state.opt_state))
             mngr.wait_until_finished()
-            assert len(prepared) == 1, "only the window's last phase is hinted"
+            assert len(prepared) == 2, "both phases of the window are hinted"
             for version, ref in references.items():
                 saved = mngr.restore(version)
                 assert_within_ulps((saved["params"], saved["opt_state"]), ref, f"version {version}")

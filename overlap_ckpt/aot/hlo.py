@@ -52,6 +52,7 @@ class Instruction:
     opcode: str
     operands: tuple[str, ...]
     attributes: str
+    root: bool = False  # the computation's ROOT (a program's outputs, a tuple for several)
 
     @property
     def op_name(self) -> str:
@@ -72,6 +73,9 @@ class HostCopy:
     name: str = ""  # the copy-start's (or the blocking copy's) instruction name
     flops_before: float = 0.0  # the step's matmul flops scheduled before the start
     flops_between: float = 0.0  # ... between the start and the done (what the copy can hide under)
+    # What it carries, where the program's outputs say (overlap_ckpt.aot.outbox: "state",
+    # "gradients", "scalars"); "" where they were not given or the copy is not one of them.
+    kind: str = ""
 
     @property
     def overlapped(self) -> bool:
@@ -197,7 +201,8 @@ def _dims(shape: str) -> list[int]:
 
 def _parse(line: str) -> Instruction | None:
     text = line.strip()
-    if text.startswith("ROOT "):
+    root = text.startswith("ROOT ")
+    if root:
         text = text[5:]
     if not text.startswith("%") or " = " not in text:
         return None
@@ -205,7 +210,7 @@ def _parse(line: str) -> Instruction | None:
     shape, rest = _take_type(rest)
     opcode, _, rest = rest.partition("(")
     operands, attributes = _take_group(rest)
-    return Instruction(name, shape, opcode.strip(), tuple(_NAME.findall(operands)), attributes)
+    return Instruction(name, shape, opcode.strip(), tuple(_NAME.findall(operands)), attributes, root)
 
 
 def _take_type(text: str) -> tuple[str, str]:
@@ -241,13 +246,26 @@ def _first_array(shape: str) -> str:
     return shape[1:].split("}", 1)[0] if shape.startswith("(") else shape
 
 
-def host_copies(instructions: list[Instruction], flops: Sequence[float] | None = None) -> list[HostCopy]:
+def host_copies(instructions: list[Instruction], flops: Sequence[float] | None = None,
+                outputs: Sequence[tuple[str, str]] | None = None) -> list[HostCopy]:
     """Every transfer into host memory, with the compute scheduled while it runs;
-    ``flops``: each instruction's (:func:`scheduled_flops`), for the flops around each copy."""
+    ``flops``: each instruction's (:func:`scheduled_flops`), for the flops around each copy;
+    ``outputs``: ``(kind, name)`` of each of the program's outputs in order
+    (:func:`overlap_ckpt.aot.outbox.output_labels`), which name a copy by the output it lands
+    in. Without them, or for a copy that lands in none, the copy is named by what it reads
+    (:func:`source_leaf`)."""
     by_name = {i.name: i for i in instructions}
     position = {i.name: n for n, i in enumerate(instructions)}
     done_of = {i.operands[0]: i for i in instructions if i.opcode == "copy-done" and i.operands}
+    landing = output_positions(instructions) if outputs is not None else {}
     before_flops = np.concatenate([[0.0], np.cumsum(flops if flops is not None else np.zeros(len(instructions)))])
+
+    def label(ins: Instruction, result: Instruction) -> tuple[str, str]:
+        out = landing.get(result.name)
+        if outputs is not None and out is not None and out < len(outputs) and outputs[out][0]:
+            return outputs[out]
+        return "", source_leaf(ins, by_name)
+
     copies = []
     for n, ins in enumerate(instructions):
         if ins.opcode == "copy-start" and HOST_SPACE in _first_array(ins.shape):
@@ -256,14 +274,58 @@ def host_copies(instructions: list[Instruction], flops: Sequence[float] | None =
             between = sum(i.opcode in COMPUTE_OPCODES for i in instructions[n + 1:end])
             before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
             queue = _QUEUE.search(ins.attributes)
-            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), True,
+            kind, leaf = label(ins, done or ins)
+            copies.append(HostCopy(leaf, array_bytes(ins.shape), True,
                                    queue.group(1) if queue else "", between, before, ins.name,
-                                   float(before_flops[n]), float(before_flops[end] - before_flops[n + 1])))
+                                   float(before_flops[n]), float(before_flops[end] - before_flops[n + 1]), kind))
         elif ins.opcode == "copy" and HOST_SPACE in ins.shape:
             before = sum(i.opcode in COMPUTE_OPCODES for i in instructions[:n])
-            copies.append(HostCopy(source_leaf(ins, by_name), array_bytes(ins.shape), False, "", 0, before, ins.name,
-                                   float(before_flops[n])))
+            kind, leaf = label(ins, ins)
+            copies.append(HostCopy(leaf, array_bytes(ins.shape), False, "", 0, before, ins.name,
+                                   float(before_flops[n]), kind=kind))
     return copies
+
+
+# What may stand between a copy's result and the program's output tuple: views of it.
+_TO_OUTPUT = frozenset({"bitcast", "reshape", "copy"})
+
+
+def output_positions(instructions: list[Instruction]) -> dict[str, int]:
+    """The program output each instruction's value is, by position in the ROOT tuple (0 for
+    a ROOT that is not a tuple): the ROOT's operands and the views (bitcast, reshape, copy)
+    they are of, followed back one operand at a time."""
+    root = next((i for i in reversed(instructions) if i.root), None)
+    if root is None:
+        return {}
+    by_name = {i.name: i for i in instructions}
+    heads = list(enumerate(root.operands)) if root.opcode == "tuple" else [(0, root.name)]
+    out: dict[str, int] = {}
+    for index, name in heads:
+        ins = by_name.get(name)
+        while ins is not None and ins.name not in out:
+            out[ins.name] = index
+            ins = _through(ins, by_name)
+    return out
+
+
+_TUPLE_INDEX = re.compile(r"\bindex=(\d+)")
+
+
+def _through(ins: Instruction, by_name: dict[str, Instruction]) -> Instruction | None:
+    """The value ``ins`` passes on unchanged: a view's operand, or the element a
+    ``get-tuple-element`` takes of a tuple (through an optimization barrier of it, which
+    the window step puts between its captures and the update); None for anything else."""
+    if ins.opcode in _TO_OUTPUT and len(ins.operands) == 1:
+        return by_name.get(ins.operands[0])
+    if ins.opcode != "get-tuple-element" or not ins.operands:
+        return None
+    index = _TUPLE_INDEX.search(ins.attributes)
+    src = by_name.get(ins.operands[0])
+    if src is not None and src.opcode == "opt-barrier" and src.operands:
+        src = by_name.get(src.operands[0])
+    if index is None or src is None or src.opcode != "tuple" or int(index.group(1)) >= len(src.operands):
+        return None
+    return by_name.get(src.operands[int(index.group(1))])
 
 
 def device_copies(instructions: list[Instruction]) -> list[DeviceCopy]:
@@ -284,9 +346,15 @@ def device_copies(instructions: list[Instruction]) -> list[DeviceCopy]:
 def source_leaf(ins: Instruction, by_name: dict[str, Instruction], depth: int = 8) -> str:
     """The argument a copy reads (through slices, bitcasts and fusions of it), named by
     its path in the step's arguments; else the operation that produced the value. A copy of
-    several values concatenated (a packed outbox, overlap_ckpt.core.packing) is named after
-    the first of them."""
+    several values concatenated (a packed outbox, overlap_ckpt.core.packing), behind views
+    or not, is called a packed outbox, after the first of them.
+
+    This is a guess from the operand chain: a gradient's chain may lead to a parameter, so
+    a window program's copies are named from its outbox instead where it is known
+    (``outputs`` of :func:`host_copies`)."""
     src = by_name.get(ins.operands[0]) if ins.operands else None
+    while src is not None and src.opcode in _VIEWS and len(src.operands) == 1:
+        src = by_name.get(src.operands[0])
     if src is not None and src.opcode in ("fusion", "concatenate") and len(src.operands) > 1:
         return f"a packed outbox ({_first_leaf(ins, by_name, depth)}, ...)"
     return _first_leaf(ins, by_name, depth)

@@ -12,8 +12,9 @@ import time
 
 import jax
 
-from .hlo import (DeviceCopy, HostCopy, device_copies, device_temp_bytes, entry_instructions, host_copies,
-                  scheduled_flops)
+from .hlo import (DeviceCopy, HostCopy, Instruction, device_copies, device_temp_bytes, entry_instructions,
+                  host_copies, scheduled_flops)
+from .outbox import output_labels
 
 
 @dataclasses.dataclass(frozen=True)
@@ -89,9 +90,23 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramRepo
     memory = DeviceMemory(m.argument_size_in_bytes, m.output_size_in_bytes, temp,
                           m.alias_size_in_bytes, m.host_output_size_in_bytes)
     cost = _cost(compiled)
-    report = ProgramReport(name, memory, tuple(host_copies(instructions, flops)), tuple(device_copies(instructions)),
+    copies = host_copies(instructions, flops, outputs_of(lowered, instructions))
+    report = ProgramReport(name, memory, tuple(copies), tuple(device_copies(instructions)),
                            cost.get("flops"), cost.get("bytes accessed"), fingerprint(text), seconds, sum(flops))
     return report, compiled
+
+
+def outputs_of(lowered: jax.stages.Lowered, instructions: list[Instruction]) -> list | None:
+    """What each of the program's outputs is (:func:`overlap_ckpt.aot.outbox.output_labels`),
+    when the compiled program has as many outputs as the step returns leaves (jit passes
+    them in flattened order); else None (the copies are named by what they read)."""
+    try:
+        labels = output_labels(lowered.out_info)
+    except Exception:  # noqa: BLE001 - an output tree this module cannot read: no labels
+        return None
+    root = next((i for i in reversed(instructions) if i.root), None)
+    arity = 0 if root is None else len(root.operands) if root.opcode == "tuple" else 1
+    return labels if arity == len(labels) else None
 
 
 def _cost(compiled: jax.stages.Compiled) -> dict:

@@ -17,14 +17,16 @@ from ..doors.registry import door_for
 from .window import LowerStep
 
 
-def plan_state(state: Any, k: int, **door_args: Any) -> CapturePlan:
+def plan_state(state: Any, k: int, *, pack_outbox: bool | None = None, **door_args: Any) -> CapturePlan:
     """The plan a manager would make for ``state`` (an ``overlap_ckpt.TrainState``, ...)
     with windows of ``k`` steps; its leaves may be abstract (``jax.ShapeDtypeStruct`` with
-    shardings on a target's devices). ``door_args``: ``model=``/``graphdef=`` for NNX."""
+    shardings on a target's devices). ``pack_outbox=False``: one copy per leaf, as with the
+    GPU copy schedule hint (``CheckpointManager.jit_compiler_options``). ``door_args``:
+    ``model=``/``graphdef=`` for NNX."""
     door = door_for(state, **door_args)
     parts = door.parts(state)
     engine = OverlapEngine(parts.tx, MemorySink(), interval=k + 1, window=k,
-                           outbox_memory=backend.outbox_memory(door.outbox_memory))
+                           outbox_memory=backend.outbox_memory(door.outbox_memory), pack_outbox=pack_outbox)
     try:
         return engine.plan_for(parts.params, parts.opt_state, parts.extras)
     finally:

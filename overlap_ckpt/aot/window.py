@@ -36,6 +36,9 @@ LAYOUT_ALLOWANCE_BYTES = SMALL_COPY_BYTES
 MAX_DEVICE_COPY_BYTES = SMALL_COPY_BYTES
 
 LowerStep = Callable[[WindowTicket | None], jax.stages.Lowered]
+# Called with each window phase's lowered step before it is compiled (the copy schedule
+# hint's CopyScheduleHints.prepare, which writes the phase's latency profile).
+Prepare = Callable[[jax.stages.Lowered], object]
 
 
 class AotCheckError(AssertionError):
@@ -103,7 +106,7 @@ def _phase_violations(phase: int, program: ProgramReport, plain: ProgramReport, 
 
 
 def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
-                   reference: jax.stages.Lowered | None = None) -> WindowReport:
+                   reference: jax.stages.Lowered | None = None, prepare: Prepare | None = None) -> WindowReport:
     """Compile ``lower(None)`` (the plain step) and ``lower(ticket)`` for every phase of
     ``plan``, and ``reference`` (the user's step without overlap_ckpt) if given.
 
@@ -111,14 +114,20 @@ def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
     in force, e.g. ``lambda t: step.lower(state_with(t), batch)`` for the functional core
     (``capture_update(tx, ticket, ...)`` inside the step) with abstract arguments
     (``jax.ShapeDtypeStruct`` with shardings on ``target.devices``): nothing is allocated.
+    ``prepare(lowered)`` runs before each phase compiles (the copy schedule hint's profile).
     """
     plain, _ = compile_program("plain step", lower(None))
     ref = compile_program("user step", reference)[0] if reference is not None else None
-    return WindowReport(target, plan, plain, tuple(report for report, _ in compiled_phases(lower, plan)), ref)
+    return WindowReport(target, plan, plain, tuple(report for report, _ in compiled_phases(lower, plan, prepare)), ref)
 
 
-def compiled_phases(lower: LowerStep, plan: CapturePlan) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
+def compiled_phases(lower: LowerStep, plan: CapturePlan,
+                    prepare: Prepare | None = None) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
     """Each window phase of ``plan``, read, with its executable (which runs where the
-    target's devices are here: ``overlap-ckpt aot --target gpu --measure``)."""
+    target's devices are here: ``overlap-ckpt aot --target gpu --measure``); ``prepare``:
+    see :func:`compile_window`."""
     for j in range(plan.k):
-        yield compile_program(f"phase {j} of {plan.k}", lower(WindowTicket(plan, j)))
+        lowered = lower(WindowTicket(plan, j))
+        if prepare is not None:
+            prepare(lowered)
+        yield compile_program(f"phase {j} of {plan.k}", lowered)

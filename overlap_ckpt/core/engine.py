@@ -227,6 +227,18 @@ class OverlapEngine:
         self.windows.schedule = WindowSchedule.clamped(self.schedule.interval, window)
         self.plan = None
 
+    def copy_per_leaf(self) -> None:
+        """Copy each leaf on its own, no packing, from the next window step on (GPU, with the
+        copy schedule hint: :mod:`overlap_ckpt.manager.copy_schedule`). A packed plan becomes
+        the same plan unpacked; its host replay carries over, since the replay reads every
+        outbox unpacked (:func:`overlap_ckpt.core.ticket.unpacked`)."""
+        self.pack_outbox = False
+        plan = self.plan
+        if plan is not None and plan.pack_outbox:
+            self.plan = dataclasses.replace(plan, pack_outbox=False, pack_max_bytes=None)
+            if plan in self._programs:  # an outbox of the packed plan still finds its replay
+                self._programs[self.plan] = self._programs[plan]
+
     def plan_for(self, params, opt_state, extras=None) -> CapturePlan:
         """The plan for this state, re-planned when its structure, shapes or dtypes changed.
 

@@ -78,7 +78,7 @@ class CompileAhead:
         self._error: BaseException | None = None  # a window variant that failed to compile
         self._threads: list[threading.Thread] = []  # joined at close
         self._closed = False
-        # Set by CheckpointManager.jit_compiler_options: last phases get a copy schedule hint.
+        # Set by CheckpointManager.jit_compiler_options: capturing phases get a copy schedule hint.
         self.hints: CopyScheduleHints | None = None
 
     @property
@@ -110,16 +110,26 @@ class CompileAhead:
         if live is not None and replanned():
             self.call = self.call._replace(args=after_the_step(self.call.args, *live, state))
 
-    def hint_options(self, directory: str | None) -> dict[str, str]:
+    def hint_options(self, directory: str | None, engine: Any = None) -> dict[str, str]:
         """``CheckpointManager.jit_compiler_options``: the copy schedule hint's compiler
-        options on a GPU (its hints in ``directory``), ``{}`` elsewhere."""
+        options on a GPU (its hints in ``directory``), ``{}`` elsewhere. The hinted windows
+        copy leaf by leaf: ``engine`` (the manager's, if it has one yet) switches now, an
+        engine made later is made so (:attr:`pack_outbox`)."""
         platform = backend.platform_of(jax.devices()[0])
         if platform != "gpu":
             log.info("jit_compiler_options: the default backend is %s, not a GPU; no hint", platform)
             return {}
         if self.hints is None or (directory is not None and directory != self.hints.directory):
             self.hints = CopyScheduleHints(directory)
+        if engine is not None:
+            engine.copy_per_leaf()
         return self.hints.compiler_options()
+
+    @property
+    def pack_outbox(self) -> bool | None:
+        """The ``pack_outbox`` of the manager's engine: False (one copy per leaf) once the
+        copy schedule hint is on, else None (the platform's default)."""
+        return False if self.hints is not None else None
 
     def first_step(self, job: AheadJob | None) -> None:
         """The training thread's first step has run: compiles waiting for it may start, with

@@ -453,6 +453,8 @@ def cmd_aot(args) -> int:
                         "or --target gpu on a machine with a GPU")
     if args.profile and not (args.measure and args.target == "gpu"):
         raise UserError("--profile traces the measured programs: use it with --target gpu --measure")
+    if args.copy_hints and args.target not in ("h100", "gpu"):
+        raise UserError("--copy-hints is XLA:GPU's copy schedule hint: use it with --target h100 or gpu")
     try:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
@@ -464,7 +466,7 @@ def cmd_aot(args) -> int:
 
     text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
                                log=lambda line: print(line, file=sys.stderr), measure=args.measure,
-                               on_progress=write, profile_dir=args.profile)
+                               on_progress=write, profile_dir=args.profile, copy_hints=args.copy_hints)
     write(text)
     print(text)
     failed = [k for k, w in windows.items() if w.violations()]
@@ -528,6 +530,10 @@ def build_parser() -> argparse.ArgumentParser:
     a.add_argument("--profile", default=None, metavar="DIR",
                    help="with --target gpu --measure: a profiler trace of the plain step and each K's largest "
                         "phase, written to DIR (when each copy runs within the step)")
+    a.add_argument("--copy-hints", action="store_true",
+                   help="h100 and gpu: the step jitted with CheckpointManager.jit_compiler_options() and its "
+                        "window variants compiled as compile_ahead does (per-leaf copies, a latency profile "
+                        "for every capturing phase)")
     a.set_defaults(func=cmd_aot)
     return p
 

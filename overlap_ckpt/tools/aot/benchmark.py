@@ -13,6 +13,7 @@ from ...aot import predict
 from ...aot.programs import compile_program
 from ...aot.targets import Target
 from ...aot.window import WindowReport, compiled_phases
+from ...manager.copy_schedule import CopyScheduleHints
 from . import cpu_check, device_check
 from .lm_step import LMSetup, lm_setup, lower_reference, lower_with, plan_window
 from .report import markdown
@@ -32,6 +33,16 @@ class AotRun:
     phase_programs: dict[int, tuple[jax.stages.Compiled, ...]] = dataclasses.field(default_factory=dict)
     # The fraction of a step K=1's compiled copies hide under (predict.schedule_fraction)
     hide_fraction: float | None = None
+    # The copy schedule hint the step is jitted with (--copy-hints), else None
+    hints: CopyScheduleHints | None = None
+
+    def lower(self):
+        """``lower(ticket)`` of the step as the user jits it (with the hint's options, if on)."""
+        return lower_with(self.setup, self.hints.compiler_options() if self.hints else None)
+
+    def plan(self, k: int):
+        """The window plan of K steps: per-leaf copies with the copy schedule hint."""
+        return plan_window(self.setup, k, pack_outbox=False if self.hints else None)
 
     def notes(self) -> list[str]:
         setup, target, plain = self.setup, self.probe.target, self.probe.plain
@@ -43,6 +54,11 @@ class AotRun:
         return [f"model: {setup.config.num_params() / 1e6:.0f}M parameters, bf16 compute, f32 params and Adam "
                 f"moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, FSDP over "
                 f"{len(target.devices)} device(s)", flops,
+                *([] if self.hints is None else [
+                    "copy schedule hint on (`CheckpointManager.jit_compiler_options()`): the step's jit carries "
+                    + ", ".join(f"`{key}`" for key in self.hints.compiler_options())
+                    + "; one host copy per leaf; every capturing phase compiled once on the side for its "
+                      "latency profile (as `compile_ahead` does)"]),
                 *([] if not any("auto" in why for why in self.labels.values()) else [
                     "window=\"auto\" and the best K chosen with copies hiding under "
                     + (f"{self.hide_fraction:.0%} of a step, the share of the step's matmul flops K=1's compiled "
@@ -57,23 +73,26 @@ class AotRun:
 def aot_report(target: Target, model: str, ks: list[int] | None = None, intervals: tuple[int, ...] = (10, 50),
                batch_per_device: int = 4, log=print, measure: bool = False,
                on_progress: Callable[[str], None] = lambda text: None,
-               profile_dir: str | None = None) -> tuple[str, dict[int, WindowReport]]:
+               profile_dir: str | None = None, copy_hints: bool = False) -> tuple[str, dict[int, WindowReport]]:
     """Compile and report. ``ks`` None: K=1, what ``window="auto"`` picks at each interval,
     and the best K of the model; else exactly these K. ``measure`` (a target whose devices
     are here: cpu or gpu): run the programs and set them beside the prediction.
     ``on_progress`` gets the report so far after each K (a 1B model on a TPU takes long to
     compile). ``profile_dir`` (gpu, measured): a profiler trace of the plain step and of
-    each K's largest phase (see :func:`overlap_ckpt.tools.aot.device_check.calibrate`)."""
+    each K's largest phase (see :func:`overlap_ckpt.tools.aot.device_check.calibrate`).
+    ``copy_hints`` (GPU): the step jitted and its phases compiled with the copy schedule
+    hint (:mod:`overlap_ckpt.manager.copy_schedule`)."""
     if measure and not target.local:
         raise ValueError(f"measuring runs the programs: target {target.name} is compile-only")
-    run = _start(target, model, ks, intervals, batch_per_device, log)
-    lower = lower_with(run.setup)
+    run = _start(target, model, ks, intervals, batch_per_device, log, copy_hints)
+    lower = run.lower()
+    prepare = run.hints.prepare if run.hints else None
     keep = measure and target.platform == "gpu"
     pending = sorted(run.labels)
     while pending:
         k = pending.pop(0)
-        plan = run.probe.plan if k == 1 else plan_window(run.setup, k)
-        compiled = list(compiled_phases(lower, plan))
+        plan = run.probe.plan if k == 1 else run.plan(k)
+        compiled = list(compiled_phases(lower, plan, prepare))
         run.windows[plan.k] = dataclasses.replace(run.probe, plan=plan, phases=tuple(r for r, _ in compiled))
         if keep:
             run.phase_programs[plan.k] = tuple(program for _, program in compiled)
@@ -94,18 +113,20 @@ def aot_report(target: Target, model: str, ks: list[int] | None = None, interval
     return text, run.windows
 
 
-def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log) -> AotRun:
+def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log,
+           copy_hints: bool = False) -> AotRun:
     """The plain and user steps compiled, the step cost predicted and the K to compile chosen."""
     started = time.perf_counter()
     setup = lm_setup(target, model, batch_per_device)
-    plain, plain_program = compile_program("plain step", lower_with(setup)(None))
+    hints = CopyScheduleHints() if copy_hints else None
+    options = hints.compiler_options() if hints else None
+    plain, plain_program = compile_program("plain step", lower_with(setup, options)(None))
     log(f"plain step compiled in {plain.compile_s:.1f} s")
     reference, _ = compile_program("user step", lower_reference(setup))
-    probe = WindowReport(target, plan_window(setup, 1), plain, (), reference)
+    probe = WindowReport(target, plan_window(setup, 1, pack_outbox=False if hints else None), plain, (), reference)
     cost = predict.step_cost(probe, setup.train_flops() / len(target.devices))
-    if ks is not None:
-        return AotRun(setup, probe, cost, {k: "given" for k in ks}, started, plain_program)
-    return AotRun(setup, probe, cost, {1: "1"}, started, plain_program)
+    labels = {k: "given" for k in ks} if ks is not None else {1: "1"}
+    return AotRun(setup, probe, cost, labels, started, plain_program, hints=hints)
 
 
 def _choose_from_schedule(run: AotRun, intervals) -> None:

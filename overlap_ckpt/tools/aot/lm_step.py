@@ -87,12 +87,13 @@ def _model(config: LMConfig, framework: str) -> tuple[Any, Callable]:
     raise ValueError(f"framework must be 'linen' or 'nnx', got {framework!r}")
 
 
-def plan_window(setup: LMSetup, k: int) -> CapturePlan:
+def plan_window(setup: LMSetup, k: int, pack_outbox: bool | None = None) -> CapturePlan:
     """The plan ``OverlapEngine.plan_for`` makes for this state, without its host rehearsal
     (a replay on zeros of the real shapes: 12 GB for the 1B model, and it checks the host
-    side, not the device programs compiled here)."""
+    side, not the device programs compiled here). ``pack_outbox=False``: one copy per leaf,
+    as the GPU copy schedule hint plans (``CheckpointManager.jit_compiler_options``)."""
     return make_plan(setup.tx, setup.params, setup.opt_state, None, k,
-                     outbox_memory=backend.outbox_memory(backend.HOST_MEMORY))
+                     outbox_memory=backend.outbox_memory(backend.HOST_MEMORY), pack_outbox=pack_outbox)
 
 
 def _shardings(tree):

@@ -60,6 +60,19 @@ def copy_rows(program: ProgramReport, shown: int = 8) -> list[str]:
     return rows
 
 
+def kind_rows(program: ProgramReport) -> list[str]:
+    """Per kind of copy (what its output in the outbox is: overlap_ckpt.aot.outbox), how many,
+    their bytes, how many serialized, and the latest and earliest start (*after start*)."""
+    rows = []
+    for kind in sorted({c.kind for c in program.host_copies}):
+        copies = [c for c in program.host_copies if c.kind == kind]
+        after = [program.after_start(c) for c in copies] if program.matmul_flops else []
+        rows.append(f"| {program.name} | {kind or 'unlabelled'} | {len(copies)} | "
+                    f"{sum(c.nbytes for c in copies) / MIB:.1f} | {sum(not c.overlapped for c in copies)} | "
+                    + (f"{min(after):.2f} | {max(after):.2f} |" if after else "- | - |"))
+    return rows
+
+
 def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str], cost: predict.StepCost,
              intervals: list[int], notes: list[str]) -> str:
     """The whole report for one target (the programs of every compiled K)."""
@@ -94,6 +107,12 @@ def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str
               "| program | copy | MiB | after start | during |", "|---|---|---|---|---|"]
     for k, report in sorted(windows.items()):
         lines += [row for p in report.phases for row in copy_rows(p)]
+    lines += ["", "By what the copies carry (the outbox's state items, gradient pieces, scalars), every copy "
+              "whatever its size: *latest start* and *earliest start* are the least and the most *after start*.",
+              "", "| program | carries | copies | MiB | serialized | latest start | earliest start |",
+              "|---|---|---|---|---|---|---|"]
+    for k, report in sorted(windows.items()):
+        lines += [row for p in report.phases for row in kind_rows(p)]
     lines += ["", "## Checks", ""]
     for k, report in sorted(windows.items()):
         found = report.violations()
