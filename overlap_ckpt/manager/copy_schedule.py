@@ -60,13 +60,14 @@ PARALLEL_LIMIT = 1000  # more than the host copies of any phase measured (877: t
 # The cost each hinted copy-start is given: longer than any step, so that the scheduler starts
 # the copy as early as its input allows (the H200 run gave 1-2 s; the position is the same).
 HINT_COST_US = 10_000_000
-# A copy of the step's input state gets far more: XLA's scheduler works from the end of the
-# program back, and where nothing else is ready it moves its clock on to the next copy's
-# start; a gradient copy (whose input comes late) moves it by its whole cost, after which a
-# state copy of the same cost counts as covered and starts wherever it lands. Measured on the
-# tiny NNX LM's phase 0 of 2 (compile-only H100): the same cost for both started the state
-# copies at 0.19-0.90 of the step's matmuls after them, this one at the top.
-STATE_HINT_COST_US = 100 * HINT_COST_US
+# A copy of the step's input state gets more than all the others together (state_cost_us):
+# XLA's scheduler works from the end of the program back, and where nothing else is ready it
+# moves its clock on to the next copy's start; each gradient copy (whose input comes late)
+# can move it by its whole cost, after which a state copy of no more than the sum counts as
+# covered and starts wherever it lands. Compile-only H100: one cost for both started the tiny
+# NNX LM's phase 0 of 2 state copies at 0.19-0.90 of the step's matmuls after them; 100x the
+# gradient copies' cost, the 1B LM's K=3 phases (104 and 173 gradient copies) at 0.43-1.00
+# and 0.57-1.00; more than their sum, every one at the top.
 _FINGERPRINT = re.compile(r'fingerprint_before_lhs="([0-9a-f]+)"')
 
 
@@ -108,10 +109,17 @@ class CopyScheduleHints:
         if found is None or not copies:  # not XLA:GPU's program, or nothing to hint
             return False
         fingerprint = found.group(1)
+        state = state_cost_us(sum(c.kind != STATE for c in copies))
         write_profile(os.path.join(self.directory, fingerprint + ".pbtxt"),
-                      {c.name: STATE_HINT_COST_US if c.kind == STATE else HINT_COST_US for c in copies})
+                      {c.name: state if c.kind == STATE else HINT_COST_US for c in copies})
         log.info("copy schedule hint for %d host copies of program %s", len(copies), fingerprint)
         return True
+
+
+def state_cost_us(others: int) -> float:
+    """The cost of a state copy in a program whose ``others`` copies (gradients, scalars)
+    cost :data:`HINT_COST_US` each: more than all of them and the step together."""
+    return HINT_COST_US * (others + 2)
 
 
 def write_profile(path: str, costs_us: Mapping[str, float]) -> None:

@@ -42,6 +42,53 @@ def test_host_copies_overlap_queue_and_leaf():
     assert [c.overlapped for c in copies] == [True, False]
 
 
+# A window phase as the GPU plan compiles it, reduced: a state copy whose done reaches the
+# outputs through the optimization barrier before the update, a per-leaf gradient copy whose
+# operands lead back to the parameter (the backward pass reads it), and a packed copy behind
+# a bitcast of the concatenation.
+LABELLED = r'''HloModule jit_step, is_scheduled=true
+
+ENTRY %main.3 (w.1: f32[256], g.1: f32[256]) -> (f32[256], f32[256], f32[256], f32[512]) {
+  %w.1 = f32[256]{0} parameter(0), metadata={op_name="params['w']"}
+  %g.1 = f32[256]{0} parameter(1), metadata={op_name="params['v']"}
+  %copy-start.1 = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%w.1)
+  %grad = f32[256]{0} fusion(%w.1), kind=kLoop, calls=%f
+  %concatenate.1 = f32[512]{0} concatenate(%w.1, %g.1), dimensions={0}
+  %bitcast.1 = f32[512]{0} bitcast(%concatenate.1)
+  %copy-start.2 = (f32[512]{0:S(5)}, f32[512]{0}, u32[]) copy-start(%bitcast.1)
+  %copy-start.3 = (f32[256]{0:S(5)}, f32[256]{0}, u32[]) copy-start(%grad)
+  %gemm = f32[256]{0} fusion(%grad), kind=kCustom, calls=%f
+  %copy-done.1 = f32[256]{0:S(5)} copy-done(%copy-start.1)
+  %tuple.1 = (f32[256]{0:S(5)}, f32[256]{0}) tuple(%copy-done.1, %w.1)
+  %opt-barrier.1 = (f32[256]{0:S(5)}, f32[256]{0}) opt-barrier(%tuple.1)
+  %get-tuple-element.1 = f32[256]{0:S(5)} get-tuple-element(%opt-barrier.1), index=0
+  %get-tuple-element.2 = f32[256]{0} get-tuple-element(%opt-barrier.1), index=1
+  %copy-done.3 = f32[256]{0:S(5)} copy-done(%copy-start.3)
+  %copy-done.2 = f32[512]{0:S(5)} copy-done(%copy-start.2)
+  %bitcast.2 = f32[512]{0:S(5)} bitcast(%copy-done.2)
+  ROOT %tuple = (f32[256]{0}, f32[256]{0:S(5)}, f32[256]{0:S(5)}, f32[512]{0:S(5)}) tuple(%get-tuple-element.2, %get-tuple-element.1, %copy-done.3, %bitcast.2)
+}
+'''
+
+
+def test_copies_are_named_by_the_outbox_output_they_land_in():
+    """With the program's outputs labelled (overlap_ckpt.aot.outbox), a gradient copy is a
+    gradient even though its operands lead to a parameter, the state copy is found through
+    the optimization barrier, and a packed copy says so; without, the operand chain's guess
+    names the gradient after the parameter and still calls the packed copy packed."""
+    instructions = entry_instructions(LABELLED)
+    outputs = [("", ""), ("state", "params['w']"), ("gradients", "gradient of params['w']"),
+               ("state", "a packed outbox of the state (2 items, 32-bit)")]
+    named = {c.name: (c.kind, c.leaf) for c in host_copies(instructions, outputs=outputs)}
+    assert named == {"copy-start.1": ("state", "params['w']"),
+                     "copy-start.2": ("state", "a packed outbox of the state (2 items, 32-bit)"),
+                     "copy-start.3": ("gradients", "gradient of params['w']")}
+    guessed = {c.name: (c.kind, c.leaf) for c in host_copies(instructions)}
+    assert guessed == {"copy-start.1": ("", "params['w']"),
+                       "copy-start.2": ("", "a packed outbox (params['w'], ...)"),
+                       "copy-start.3": ("", "params['w']")}
+
+
 def test_device_copy_of_an_argument_is_named():
     assert [(c.leaf, c.nbytes) for c in device_copies(entry_instructions(SCHEDULED))] == [
         ("state.params['w']", 4 << 20)]
