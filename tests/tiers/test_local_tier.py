@@ -81,7 +81,10 @@ RUN_STEPS = {"torn local write": 12}
 @pytest.fixture(scope="module")
 def killed(tmp_path_factory):
     """Every case's run once for the whole test run (both xdist workers): each test resumes
-    in its own case's directories only."""
+    in its own case's directories only. Each run comes with the faults it was given: the
+    worker that builds the runs drew them from its own seed, and another worker's
+    module-level draw may differ (a test once expected the kill of one window and read the
+    directories of another's)."""
     return once_per_run(tmp_path_factory, "tiers_kill", killed_runs)
 
 
@@ -90,7 +93,7 @@ def killed_runs(base):
         d = base / name.replace(" ", "_")
         proc = worker.launch(d / "durable", d / "local", steps=STEPS, env=CASES[name])
         out, err = proc.communicate(timeout=240)
-        return name, (d, proc.returncode, err)
+        return name, (d, proc.returncode, err, CASES[name], SEED)
 
     with ThreadPoolExecutor(2) as pool:
         return dict(pool.map(one, CASES))
@@ -99,13 +102,13 @@ def killed_runs(base):
 @pytest.mark.parametrize("case", list(CASES))
 def test_sigkill_resumes_from_newest_local_step_bitwise(case, killed, reference):
     _, ref_losses, snaps = reference
-    d, code, err = killed[case]
-    where = f"{case} {CASES[case]} (TIERS_KILL_SEED={SEED})"
+    d, code, err, faults, seed = killed[case]
+    where = f"{case} {faults} (TIERS_KILL_SEED={seed})"
     assert code == -signal.SIGKILL, f"{where}: exit {code}\n{err[-3000:]}"
     local, durable = committed(d / "local"), committed(d / "durable")
     newest = max(local | durable)
     if case == "capture":  # every earlier checkpoint was settled; the window never completes
-        assert newest == int(CASES[case]["KILL_CAPTURE"]) - worker.EVERY, (local, durable)
+        assert newest == int(faults["KILL_CAPTURE"]) - worker.EVERY, (where, local, durable)
     if case == "torn local write":  # step 10 was written but never committed: never chosen
         assert any(n.startswith("10.") for n in os.listdir(d / "local")), os.listdir(d / "local")
         assert newest == 8 and 10 not in local, (local, durable)
