@@ -58,15 +58,17 @@ def outbox_labels(outbox: Outbox) -> list[OutputLabel]:
         parts[part] = [OutputLabel(STATE, _item_name(names, source, item))
                        for (source, item), chosen in zip(entries, mask) if not chosen]
     if layout is not None:
-        state_items = items.state_items()
-        chosen = [item for item, on in zip(state_items, packing.selected(plan, state_items)) if on]
+        state = [(source, item) for _, entries in items.parts() for source, item in entries]
+        chosen = [(_item_name(names, source, item), item)
+                  for (source, item), on in zip(state, packing.selected(plan, [item for _, item in state])) if on]
         packed += _groups(chosen, STATE, "the state")
     grads = packing.grad_items(plan, phase) if outbox.grads or (layout is not None and layout.grads) else ()
     grad_mask = packing.selected(plan, grads) if layout is not None and layout.grads else [False] * len(grads)
     grad_labels = [OutputLabel(GRADIENTS, "gradient of " + _item_name(names, "params", item))
                    for item, chosen in zip(grads, grad_mask) if not chosen]
     if layout is not None and layout.grads:
-        packed += _groups([item for item, on in zip(grads, grad_mask) if on], GRADIENTS, "gradients")
+        packed += _groups([("gradient of " + _item_name(names, "params", item), item)
+                           for item, on in zip(grads, grad_mask) if on], GRADIENTS, "gradients")
     expected = {"state": parts["state"], "shared": parts["shared"], "grads": grad_labels,
                 "globals": [OutputLabel(SCALARS, "global scalars")] * len(outbox.globals),
                 "extras": parts["extras"], "packed": packed}
@@ -80,11 +82,18 @@ def outbox_labels(outbox: Outbox) -> list[OutputLabel]:
     return labels
 
 
-def _groups(items: Sequence[packing.Item], kind: str, what: str) -> list[OutputLabel]:
-    """One label per packed array of ``items`` (:func:`overlap_ckpt.core.packing.groups`)."""
-    return [OutputLabel(kind, f"a packed outbox of {what} ({len(members)} item{'s' * (len(members) != 1)}, "
-                              f"{np.dtype(carrier).itemsize * 8}-bit)")
-            for carrier, members in packing.groups(items)]
+def _groups(entries: Sequence[tuple[str, packing.Item]], kind: str, what: str) -> list[OutputLabel]:
+    """One label per packed array of ``entries`` ((name, item) pairs, in packing order:
+    :func:`overlap_ckpt.core.packing.groups`): the item's own name for a group of one (its
+    copy carries that leaf alone), else what the group packs."""
+    labels = []
+    for carrier, members in packing.groups([item for _, item in entries]):
+        if len(members) == 1:
+            labels.append(OutputLabel(kind, entries[members[0]][0]))
+        else:
+            labels.append(OutputLabel(kind, f"a packed outbox of {what} ({len(members)} items, "
+                                            f"{np.dtype(carrier).itemsize * 8}-bit)"))
+    return labels
 
 
 def _item_name(names: dict[str, list[str]], source: str, item: packing.Item) -> str:

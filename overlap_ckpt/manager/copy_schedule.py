@@ -12,14 +12,17 @@ copy holds its bytes on the device while in flight. On an H200 the 1B LM's K=1 w
 What the hint does: the window plans copy leaf by leaf (no packing:
 :meth:`overlap_ckpt.core.engine.OverlapEngine.copy_per_leaf`), each copy reading a buffer
 the step holds anyway; a profile-guided latency profile (PGLE) gives every host
-``copy-start`` of every capturing phase a cost longer than any step (:data:`HINT_COST_US`),
-so the scheduler starts each one as early as its input allows; and
+``copy-start`` of every capturing phase a cost longer than any step (:data:`HINT_COST_US`;
+a copy of the state more than all the phase's other copies together, :func:`state_cost_us`,
+told apart by the outbox output it lands in: :mod:`overlap_ckpt.aot.outbox`), so the
+scheduler starts each one as early as its input allows; and
 ``xla_gpu_experimental_parallel_async_compute_limit`` (:data:`PARALLEL_LIMIT`) lets that
 many copies be in flight beside compute. Compile-only H100, jax 0.10.2: the 1B LM's K=1
 phase starts all 877 copies before any matmul, none serialized, for +1.4 MiB of device
 memory at batch 16 (+0.4 MiB at batch 4), where the packed hint cost +9.6 GiB and the
-default +1.2 GiB (benchmarks/results/aot_h100_1b_hinted.md). Gradient copies still start
-after the backward pass, where the gradients exist.
+default +1.2 GiB; its K=3 phases start every state copy at the top too, for +1-30 MiB
+(benchmarks/results/aot_h100_1b_hinted.md). Gradient copies still start after the backward
+pass, where the gradients exist.
 
 How the hint reaches the user's program: both are XLA ``DebugOptions`` that a
 ``jax.jit(..., compiler_options=...)`` takes for the programs it compiles
@@ -36,7 +39,7 @@ logs an error line when a program has no profile and a warning for every instruc
 profile does not name; and the parallel limit applies to every program of that jit,
 the plain step included (the compile-only H100 LM steps, which have no other asynchronous
 work, compile to the same plain program). What it does not do: make the link faster (a
-copy still takes its bytes over the host link; at K=1 the 1B LM's 11 GiB take longer than
+copy still takes its bytes over the host link; at K=1 the 1B LM's 10.9 GiB take longer than
 its step), or start a gradient copy before the backward pass.
 """
 
