@@ -17,6 +17,8 @@ from the compiled program; memory is the plain step's, compiled in the same jit;
 step is compared with the step jitted without the options.
 """
 
+import dataclasses
+
 import jax
 import optax
 import pytest
@@ -24,6 +26,8 @@ from jax.sharding import NamedSharding, PartitionSpec
 
 import overlap_ckpt as oc
 from overlap_ckpt.aot import compile_window, lower_in_window, plan_state
+from overlap_ckpt.aot.programs import compile_program
+from overlap_ckpt.aot.window import compiled_phases
 from overlap_ckpt.aot.outbox import GRADIENTS, STATE
 from overlap_ckpt.core.ticket import WindowTicket
 from overlap_ckpt.manager import copy_schedule
@@ -46,39 +50,60 @@ MAX_SERIALIZED_BYTES = 0
 MAX_EXTRA_BYTES = 1 << 20
 
 
-def late_state_copies(report) -> list[str]:
+def late_state_copies(phases) -> list[str]:
     return [f"{p.name}: the copy of {c.leaf} ({c.nbytes} B) starts with {p.after_start(c):.2f} of the step's "
             f"matmul flops after it (at least {STATE_COPY_AFTER_START} wanted)"
-            for p in report.phases for c in p.host_copies
+            for p in phases for c in p.host_copies
             if c.kind == STATE and p.after_start(c) < STATE_COPY_AFTER_START]
 
 
-def serialized_copies(report, max_bytes: int = MAX_SERIALIZED_BYTES) -> list[str]:
+def serialized_copies(phases, max_bytes: int = MAX_SERIALIZED_BYTES) -> list[str]:
     return [f"{p.name}: the copy of {c.leaf} ({c.nbytes} B, {c.kind}) is serialized: no compute runs while "
-            "it transfers" for p in report.phases for c in p.host_copies if not c.overlapped and c.nbytes > max_bytes]
+            "it transfers" for p in phases for c in p.host_copies if not c.overlapped and c.nbytes > max_bytes]
 
 
-def extra_memory(report, bound: int = MAX_EXTRA_BYTES) -> list[str]:
+def extra_memory(phases, plain, bound: int = MAX_EXTRA_BYTES) -> list[str]:
     found = []
-    for p in report.phases:
-        extra = p.memory.peak - report.plain.memory.peak
+    for p in phases:
+        extra = p.memory.peak - plain.memory.peak
         if extra > bound:
             found.append(f"{p.name}: {extra / 2**10:.0f} KiB of device memory beyond the plain step "
                          f"(at most {bound / 2**10:.0f} KiB; its outbox: {p.memory.host_output / 2**10:.0f} KiB)")
     return found
 
 
-def nnx_windows(target, directory, ks=KS, *, pack_outbox=False, options=None, profile=True):
-    """The tiny NNX LM (functional style) jitted as a user with the hint does, its phases
-    compiled as compile_ahead does. The parts of the hint can be left out, one at a time."""
+def windows(lower, plans, target, reference, prepare):
+    """One report per plan; the plain step and the reference are compiled once for all."""
+    first = compile_window(lower, plans[0], target, reference, prepare)
+    return [first, *(dataclasses.replace(first, plan=plan, phases=phases(lower, plan, prepare)) for plan in plans[1:])]
+
+
+def phases(lower, plan, prepare):
+    return tuple(report for report, _ in compiled_phases(lower, plan, prepare))
+
+
+def nnx_step(target, directory, options=None):
+    """The tiny NNX LM (functional style) jitted as a user with the hint does: its setup,
+    ``lower(ticket)`` and the hint. The options can be left out, one at a time."""
     setup = lm_setup(target, "tiny", batch_per_device=2, framework="nnx")
     hints = CopyScheduleHints(str(directory))
-    lower = lower_with(setup, hints.compiler_options() if options is None else options)
-    return [compile_window(lower, plan_window(setup, k, pack_outbox=pack_outbox), target, lower_reference(setup),
-                           prepare=hints.prepare if profile else None) for k in ks]
+    return setup, lower_with(setup, hints.compiler_options() if options is None else options), hints
 
 
-def linen_windows(target, directory, ks=KS):
+def nnx_windows(target, directory):
+    """Its windows of K = 1 and 2, the phases compiled as compile_ahead does."""
+    setup, lower, hints = nnx_step(target, directory)
+    return windows(lower, [plan_window(setup, k, pack_outbox=False) for k in KS], target, lower_reference(setup),
+                   hints.prepare)
+
+
+def nnx_phases(target, directory, k, *, pack_outbox=False, options=None, profile=True):
+    """Only the phases of its window of ``k`` steps, with one part of the hint left out."""
+    setup, lower, hints = nnx_step(target, directory, options)
+    return phases(lower, plan_window(setup, k, pack_outbox=pack_outbox), hints.prepare if profile else None)
+
+
+def linen_windows(target, directory):
     """A Linen user's own step on ``overlap_ckpt.TrainState`` (FSDP-style shardings), jitted
     with the manager's options and compiled through the window context."""
     config = LMConfig.preset("tiny")
@@ -100,8 +125,8 @@ def linen_windows(target, directory, ks=KS):
     shardings = jax.tree.map(lambda x: x.sharding, (state, batch))
     step = jax.jit(train_step, in_shardings=shardings, donate_argnums=0, compiler_options=hints.compiler_options())
     reference = jax.jit(train_step, in_shardings=shardings, donate_argnums=0).lower(state, batch)
-    return [compile_window(lower_in_window(step, state, batch), plan_state(state, k, pack_outbox=False), target,
-                           reference, prepare=hints.prepare) for k in ks]
+    return windows(lower_in_window(step, state, batch), [plan_state(state, k, pack_outbox=False) for k in KS],
+                   target, reference, hints.prepare)
 
 
 @pytest.fixture(scope="module", params=["nnx", "linen"])
@@ -123,17 +148,17 @@ def test_h100_the_hint_copies_leaf_by_leaf_and_the_plain_step_is_the_users(hinte
 
 
 def test_h100_every_state_copy_of_every_phase_starts_at_the_top(hinted):
-    late = [line for report in hinted for line in late_state_copies(report)]
+    late = [line for report in hinted for line in late_state_copies(report.phases)]
     assert not late, "\n".join(late)
 
 
 def test_h100_no_copy_is_serialized(hinted):
-    serialized = [line for report in hinted for line in serialized_copies(report)]
+    serialized = [line for report in hinted for line in serialized_copies(report.phases)]
     assert not serialized, "\n".join(serialized)
 
 
 def test_h100_device_memory_beyond_the_plain_step_is_a_small_fixed_bound(hinted):
-    over = [line for report in hinted for line in extra_memory(report)]
+    over = [line for report in hinted for line in extra_memory(report.phases, report.plain)]
     assert not over, "\n".join(over)
     for report in hinted:
         report.check()  # the library's own check agrees
@@ -151,29 +176,27 @@ def test_h100_late_start_seen_red_with_one_cost_for_state_and_gradient_copies(h1
     its clock past the state copies' cost when it places the first gradient copy, and then
     starts them wherever they land: 0.19-0.90 of the step after them in phase 0 of 2."""
     monkeypatch.setattr(copy_schedule, "state_cost_us", lambda others: copy_schedule.HINT_COST_US)
-    (report,) = nnx_windows(h100, tmp_path, ks=(2,))
-    late = late_state_copies(report)
+    late = late_state_copies(nnx_phases(h100, tmp_path, 2))
     assert late and all(line.startswith("phase 0 of 2: the copy of ") for line in late), late
 
 
 def test_h100_late_start_seen_red_without_the_profile(h100, tmp_path):
-    (report,) = nnx_windows(h100, tmp_path, ks=(2,), profile=False)
-    assert late_state_copies(report)
+    assert late_state_copies(nnx_phases(h100, tmp_path, 2, profile=False))
 
 
 def test_h100_serialized_seen_red_without_the_parallel_limit(h100, tmp_path):
     options = {PGLE_OPTION: str(tmp_path)}  # no PARALLEL_LIMIT_OPTION: one copy in flight at a time
-    (report,) = nnx_windows(h100, tmp_path, ks=(1,), options=options)
-    serialized = serialized_copies(report)
+    serialized = serialized_copies(nnx_phases(h100, tmp_path, 1, options=options))
     assert serialized and serialized[0].startswith("phase 0 of 1: the copy of "), serialized
 
 
 def test_h100_memory_seen_red_with_a_packed_outbox(h100, tmp_path):
     """The hint as it was before: the packed outbox, started at the top, holds its bytes on
     the device for the whole step."""
-    (report,) = nnx_windows(h100, tmp_path, ks=(1,), pack_outbox=None)
-    assert report.plan.pack_outbox
-    over = extra_memory(report)
+    setup, lower, hints = nnx_step(h100, tmp_path)
+    plan = plan_window(setup, 1, pack_outbox=None)
+    assert plan.pack_outbox
+    over = extra_memory(phases(lower, plan, hints.prepare), compile_program("plain step", lower(None))[0])
     assert over and over[0].startswith("phase 0 of 1: "), over
 
 
