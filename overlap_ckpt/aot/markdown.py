@@ -1,12 +1,16 @@
-"""The ``overlap-ckpt aot`` report as markdown: programs, copies, memory, prediction."""
+"""The ``overlap-ckpt aot`` report as markdown: programs, copies, memory, prediction.
+
+On this floor, not with the command (``overlap_ckpt.tools.aot``): the report reads only
+compiled window programs and their prediction, and ``CheckpointManager.aot_report`` renders
+a user's own step with it (:mod:`overlap_ckpt.aot.step_report`)."""
 
 from __future__ import annotations
 
 import dataclasses
 
-from ...aot import predict
-from ...aot.programs import ProgramReport
-from ...aot.window import WindowReport
+from . import predict
+from .programs import ProgramReport
+from .window import WindowReport
 
 MIB = 2**20
 
@@ -71,6 +75,29 @@ def kind_rows(program: ProgramReport) -> list[str]:
                     f"{sum(c.nbytes for c in copies) / MIB:.1f} | {sum(not c.overlapped for c in copies)} | "
                     + (f"{min(after):.2f} | {max(after):.2f} |" if after else "- | - |"))
     return rows
+
+
+def run_notes(hint_options: dict[str, str] | None, chose_auto: bool, fraction: float | None,
+              seconds: float) -> list[str]:
+    """The notes every report ends with: the copy schedule hint (its compiler options, when
+    on), how ``window="auto"`` chose (:func:`predict.auto_choice`, when it did) and the time
+    the compiles took."""
+    return [*([] if hint_options is None else [
+                "copy schedule hint on (`CheckpointManager.jit_compiler_options()`): the step's jit carries "
+                + ", ".join(f"`{key}`" for key in hint_options)
+                + "; one host copy per leaf; every capturing phase compiled once on the side for its "
+                  "latency profile (as `compile_ahead` does)"]),
+            *([] if not chose_auto else [
+                "window=\"auto\" and the best K chosen with copies hiding under "
+                + (f"{fraction:.0%} of a step, the share of the step's matmul flops K=1's compiled copies "
+                   "transfer under" if fraction is not None else
+                   f"{predict.OVERLAPPABLE_FRACTION:.0%} of a step (no matmuls to read the schedule by)")]),
+            f"compiled on this machine from abstract inputs in {seconds:.0f} s"]
+
+
+def analysis_note(plain: ProgramReport) -> str:
+    """The plain step's flops by the compiler's cost analysis, where it gives one."""
+    return f"{plain.flops:.3g} by the compiler's cost analysis" if plain.flops else "no cost analysis from this compiler"
 
 
 def markdown(model: str, windows: dict[int, WindowReport], labels: dict[int, str], cost: predict.StepCost,

@@ -24,6 +24,7 @@ Assumptions (printed with every prediction):
 from __future__ import annotations
 
 import dataclasses
+from typing import Iterable
 
 from ..costmodel.model import TrainingProfile, predicted_step_time_s
 from ..costmodel.window import MFU, choose_window
@@ -146,6 +147,33 @@ def auto_k(report: WindowReport, cost: StepCost, interval_steps: int | None,
     return choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
                          state_bytes_per_device(report), grad_bytes_per_device(report),
                          BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f)
+
+
+@dataclasses.dataclass(frozen=True)
+class AutoChoice:
+    """What ``window="auto"`` picks on the target, read from a compiled K=1 window."""
+
+    by_interval: dict[int, int]  # checkpoint interval N -> K
+    best: int  # the K of least stall per checkpoint
+    fraction: float | None  # of a step K=1's compiled copies hide under (None: the model's constant was used)
+
+    def labels(self, first: str = "1") -> dict[int, str]:
+        """K -> why it is compiled: K=1 (``first``), auto at each interval, the best."""
+        whys: dict[int, list[str]] = {1: [first]}
+        for k, why in [*((k, f"auto at N={n}") for n, k in self.by_interval.items()), (self.best, "best")]:
+            whys.setdefault(k, []).append(why)
+        return {k: ", ".join(w) for k, w in whys.items()}
+
+
+def auto_choice(k1: WindowReport, cost: StepCost, intervals: Iterable[int]) -> AutoChoice:
+    """The K ``window="auto"`` picks at each interval and the best K (:func:`auto_k`), from
+    the fraction of a step the compiled K=1 window's copies hide under
+    (:func:`schedule_fraction`; :data:`OVERLAPPABLE_FRACTION` where its programs have no
+    matmuls to tell by). The one choice ``overlap-ckpt aot`` and ``CheckpointManager.aot_report``
+    both report."""
+    fraction = schedule_fraction(k1)
+    f = OVERLAPPABLE_FRACTION if fraction is None else fraction
+    return AutoChoice({n: auto_k(k1, cost, n, f) for n in intervals}, auto_k(k1, cost, None, f), fraction)
 
 
 def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVERLAPPABLE_FRACTION) -> list[str]:

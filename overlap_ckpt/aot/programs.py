@@ -58,8 +58,12 @@ class ProgramReport:
         return copy.flops_between / self.matmul_flops if self.matmul_flops else 0.0
 
 
-def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramReport, jax.stages.Compiled]:
+def compile_program(name: str, lowered: jax.stages.Lowered,
+                    compiler_options: dict[str, str] | None = None) -> tuple[ProgramReport, jax.stages.Compiled]:
     """Compile ``lowered`` for its (possibly compile-only) devices and read the result.
+    ``compiler_options``: added to those of the step's ``jax.jit`` (XLA compiles with both,
+    as it would had the jit been given them: the copy schedule hint's, for a step jitted
+    on a machine where ``CheckpointManager.jit_compiler_options()`` returns none).
 
     The device temporaries come from the compiler's buffer assignment, dumped for this one
     compilation, rather than from ``memory_analysis().temp_size_in_bytes``: on TPU that
@@ -70,7 +74,8 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramRepo
     """
     with tempfile.TemporaryDirectory(prefix="overlap-ckpt-aot-") as dump:
         started = time.perf_counter()
-        compiled = lowered.compile(compiler_options={"xla_dump_to": dump, "xla_dump_hlo_as_text": True})
+        options = {**(compiler_options or {}), "xla_dump_to": dump, "xla_dump_hlo_as_text": True}
+        compiled = lowered.compile(compiler_options=options)
         seconds = time.perf_counter() - started
         assignments = glob.glob(os.path.join(dump, "*after_optimizations-buffer-assignment.txt"))
         if not assignments and jax.config.jax_compilation_cache_dir and jax.config.jax_enable_compilation_cache:
@@ -99,9 +104,11 @@ def compile_program(name: str, lowered: jax.stages.Lowered) -> tuple[ProgramRepo
 def outputs_of(lowered: jax.stages.Lowered, instructions: list[Instruction]) -> list | None:
     """What each of the program's outputs is (:func:`overlap_ckpt.aot.outbox.output_labels`),
     when the compiled program has as many outputs as the step returns leaves (jit passes
-    them in flattened order); else None (the copies are named by what they read)."""
+    them in flattened order); else None (the copies are named by what they read). An
+    ``nnx.jit`` step's ``Lowered`` wraps jax's, whose outputs are the step's graph state and
+    return value: read from that one."""
     try:
-        labels = output_labels(lowered.out_info)
+        labels = output_labels(getattr(lowered, "lowered", lowered).out_info)
     except Exception:  # noqa: BLE001 - an output tree this module cannot read: no labels
         return None
     root = next((i for i in reversed(instructions) if i.root), None)

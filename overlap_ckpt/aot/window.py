@@ -106,7 +106,8 @@ def _phase_violations(phase: int, program: ProgramReport, plain: ProgramReport, 
 
 
 def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
-                   reference: jax.stages.Lowered | None = None, prepare: Prepare | None = None) -> WindowReport:
+                   reference: jax.stages.Lowered | None = None, prepare: Prepare | None = None,
+                   compiler_options: dict[str, str] | None = None) -> WindowReport:
     """Compile ``lower(None)`` (the plain step) and ``lower(ticket)`` for every phase of
     ``plan``, and ``reference`` (the user's step without overlap_ckpt) if given.
 
@@ -115,19 +116,23 @@ def compile_window(lower: LowerStep, plan: CapturePlan, target: Target,
     (``capture_update(tx, ticket, ...)`` inside the step) with abstract arguments
     (``jax.ShapeDtypeStruct`` with shardings on ``target.devices``): nothing is allocated.
     ``prepare(lowered)`` runs before each phase compiles (the copy schedule hint's profile).
+    ``compiler_options``: added to the jit's for the plain step and the phases, not the
+    reference (:func:`overlap_ckpt.aot.programs.compile_program`).
     """
-    plain, _ = compile_program("plain step", lower(None))
+    plain, _ = compile_program("plain step", lower(None), compiler_options)
     ref = compile_program("user step", reference)[0] if reference is not None else None
-    return WindowReport(target, plan, plain, tuple(report for report, _ in compiled_phases(lower, plan, prepare)), ref)
+    phases = tuple(report for report, _ in compiled_phases(lower, plan, prepare, compiler_options))
+    return WindowReport(target, plan, plain, phases, ref)
 
 
-def compiled_phases(lower: LowerStep, plan: CapturePlan,
-                    prepare: Prepare | None = None) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
+def compiled_phases(lower: LowerStep, plan: CapturePlan, prepare: Prepare | None = None,
+                    compiler_options: dict[str, str] | None = None,
+                    ) -> Iterator[tuple[ProgramReport, jax.stages.Compiled]]:
     """Each window phase of ``plan``, read, with its executable (which runs where the
-    target's devices are here: ``overlap-ckpt aot --target gpu --measure``); ``prepare``:
-    see :func:`compile_window`."""
+    target's devices are here: ``overlap-ckpt aot --target gpu --measure``); ``prepare``
+    and ``compiler_options``: see :func:`compile_window`."""
     for j in range(plan.k):
         lowered = lower(WindowTicket(plan, j))
         if prepare is not None:
             prepare(lowered)
-        yield compile_program(f"phase {j} of {plan.k}", lowered)
+        yield compile_program(f"phase {j} of {plan.k}", lowered, compiler_options)

@@ -86,7 +86,9 @@ def model_rest(optimizer: "Optimizer", model: nnx.Module):
 def nnx_extras(optimizer: "Optimizer", model: nnx.Module, *, raw: bool = False) -> dict[str, Any]:
     """Extras of a checkpoint: the step counter and the non-optimized model state (typed
     PRNG keys of ``nnx.Rngs`` as key data, unless ``raw``)."""
-    extras = {"step": optimizer.step[...]}
+    # get_value(), not [...] (the same array): an optimizer moved onto a compile-only target
+    # holds ShapeDtypeStructs (overlap_ckpt.aot.placement), which do not index.
+    extras = {"step": optimizer.step.get_value()}
     rest = model_rest(optimizer, model)
     if jax.tree.leaves(rest):
         extras["model_state"] = rest if raw else keys_as_data(rest)

@@ -22,6 +22,7 @@ per-step API, saves and restores, queries, lifetime) composing the others:
 * :mod:`~overlap_ckpt.manager.window_choice` — ``window="auto"``;
 * :mod:`~overlap_ckpt.manager.compile_ahead` — window variants compiled in the background;
 * :mod:`~overlap_ckpt.manager.copy_schedule` — the GPU copy-schedule hint (opt-in);
+* :mod:`~overlap_ckpt.manager.aot_report` — the step checked for a target, compile-only, in one call;
 * :mod:`~overlap_ckpt.manager.host_budget` — admitting a window under ``max_host_bytes``;
 * :mod:`~overlap_ckpt.manager.save_tree` — the app's own arrangement of the saved tree;
 * :mod:`~overlap_ckpt.manager.failures` — background failures, reported at the next call;

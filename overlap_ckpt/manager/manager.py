@@ -1,7 +1,5 @@
-"""The per-step API, saves and restores, queries and lifetime of
-:class:`CheckpointManager`; each policy it composes has its module beside this one
-(:mod:`overlap_ckpt.manager`).
-"""
+"""The per-step API, saves and restores, queries and lifetime of :class:`CheckpointManager`; each
+policy it composes has its module beside this one (:mod:`overlap_ckpt.manager`)."""
 
 from __future__ import annotations
 
@@ -89,12 +87,11 @@ class CheckpointManager:
     def prepare(self, state: Any, model: Any = None, *, graphdef: Any = None) -> Any:
         """Plan checkpoints for a fresh or restored state and return it ready for the first step.
 
-        Linen: returns the state to train with (replicated states for ``jax.pmap`` are
-        recognised). NNX: ``prepare(optimizer, model)``, updated in place and returned;
-        functional NNX: ``prepare(state, graphdef=graphdef)``. One host sync. The optimizer
-        is analysed and every phase of a window is replayed once on the host, so an
-        optimizer or a state that cannot be checkpointed is refused here.
-        """
+        Linen: returns the state to train with (replicated states for ``jax.pmap`` are recognised).
+        NNX: ``prepare(optimizer, model)``, updated in place and returned; functional NNX:
+        ``prepare(state, graphdef=graphdef)``. One host sync. The optimizer is analysed and every
+        phase of a window is replayed once on the host, so an optimizer or a state that cannot be
+        checkpointed is refused here."""
         self._check_open()
         self._options.check_writable("prepare")
         door = door_for(state, model=model if model is not None else getattr(self._door, "model", None),
@@ -121,14 +118,13 @@ class CheckpointManager:
     def step(self, state: Any) -> Any:
         """Take the outbox of the step that produced ``state`` and ready the next step.
 
-        Call once per training step, after the jitted step, with the state it returned
-        (NNX: the optimizer; functional NNX: the ``nnx.State``). Returns the state to feed
-        to the next step: outside checkpoint windows, the very object it was given.
+        Call once per training step, after the jitted step, with the state it returned (NNX: the
+        optimizer; functional NNX: the ``nnx.State``). Returns the state to feed to the next step:
+        outside checkpoint windows, the very object it was given.
 
-        Raises :class:`CheckpointError` for background checkpoints that failed since the
-        last call (``on_error="raise"``), before taking anything from ``state``: to go on
-        training, handle it and call ``step(state)`` again.
-        """
+        Raises :class:`CheckpointError` for background checkpoints that failed since the last call
+        (``on_error="raise"``), before taking anything from ``state``: to go on training, handle it
+        and call ``step(state)`` again."""
         self._check_open()
         self._raise_failures()
         ahead = self._ahead
@@ -164,15 +160,13 @@ class CheckpointManager:
     def compile_ahead(self, step_fn: Any, *args: Any, **kwargs: Any) -> threading.Thread:
         """Compile the window variants of ``step_fn`` (a ``jax.jit``-ed step) in a background thread.
 
-        Without this, the first step of each window phase compiles its variant on the
-        training thread (K programs besides the user's own). Call it after :meth:`prepare`
-        with the arguments of one call, the state among them (``mngr.compile_ahead(train_step,
-        state, batch)``); it returns at once, and the variants compile after the first step,
-        while plain steps run (when and why: :mod:`overlap_ckpt.manager.compile_ahead`). With
-        ``window="auto"`` on an accelerator, K is first predicted from the step's flops
-        (:func:`overlap_ckpt.costmodel.window.predict_window`), so the variants compiled are
-        those every window will use; a K measured later compiles the same way.
-        """
+        Without this, the first step of each window phase compiles its variant on the training
+        thread (K programs besides the user's own). Call it after :meth:`prepare` with the arguments
+        of one call, the state among them (``mngr.compile_ahead(train_step, state, batch)``); it
+        returns at once, and the variants compile after the first step, while plain steps run (when
+        and why: :mod:`overlap_ckpt.manager.compile_ahead`). With ``window="auto"`` on an accelerator,
+        K is first predicted from the step's flops (:func:`overlap_ckpt.costmodel.window.predict_window`),
+        so the variants compiled are those every window will use; a K measured later compiles the same way."""
         self._check_open()
         if self._door is None:
             raise RuntimeError("compile_ahead: call prepare() first")
@@ -183,6 +177,14 @@ class CheckpointManager:
         if k is not None:
             self._use_window(k, next(a for a in args if self._door.is_state(a)))
         return ahead.start(self._ahead_job() if ahead.stepped else None)
+
+    def aot_report(self, step_fn: Any, *args: Any, target: Any = "h100", ks: Any = None, intervals: Any = None,
+                   copy_hints: bool | None = None, **kwargs: Any) -> Any:
+        """Compile-only, here: ``step_fn``'s window phases for the K this manager would use on ``target``
+        ("h100", "v5e:2x2"...), checked and costed; arguments as for :meth:`compile_ahead` (docs/aot.md)."""
+        from .aot_report import manager_report  # the aot package, imported only when asked
+        return manager_report(self._door, self.window, self._options.capture_interval, self._ahead.hints is not None,
+                              step_fn, args, kwargs, target=target, ks=ks, intervals=intervals, copy_hints=copy_hints)
 
     def compiling_ahead(self) -> tuple[AheadCall, Any, Any] | None:
         """The step given to :meth:`compile_ahead`, with this manager's window schedule and
@@ -204,10 +206,9 @@ class CheckpointManager:
     # -- explicit saves and restores -------------------------------------------------------
     def save(self, step: int, state: Any, force: bool = False, *, model: Any = None,
              graphdef: Any = None) -> bool:
-        """Synchronous snapshot of ``state`` as checkpoint ``step`` (e.g. at the end of
-        training); the write itself is in the background. Returns False when nothing was
-        saved: ``step`` is not a save step (and not ``force``), or it is already saved.
-        """
+        """Synchronous snapshot of ``state`` as checkpoint ``step`` (e.g. at the end of training);
+        the write itself is in the background. Returns False when nothing was saved: ``step`` is not
+        a save step (and not ``force``), or it is already saved."""
         self._check_open()
         self._options.check_writable("save")
         self._raise_failures()
@@ -226,12 +227,11 @@ class CheckpointManager:
                 graphdef: Any = None) -> Any:
         """Read checkpoint ``step`` (latest when None).
 
-        Without ``target_state``, returns the saved tree as numpy arrays, like Orbax. With
-        one, reads into its structure, shapes, dtypes and shardings and returns it prepared
-        for training (Linen: a new state; NNX: the optimizer and ``model=`` updated in
-        place; functional NNX: a new ``nnx.State``, with ``graphdef=``). A mismatch of
-        structure, shape or dtype raises an error naming the leaf.
-        """
+        Without ``target_state``, returns the saved tree as numpy arrays, like Orbax. With one,
+        reads into its structure, shapes, dtypes and shardings and returns it prepared for training
+        (Linen: a new state; NNX: the optimizer and ``model=`` updated in place; functional NNX: a
+        new ``nnx.State``, with ``graphdef=``). A mismatch of structure, shape or dtype raises an
+        error naming the leaf."""
         self._check_open()
         step = int(step) if step is not None else self.store.step_to_restore()
         if target_state is None:

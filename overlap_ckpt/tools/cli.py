@@ -446,8 +446,12 @@ def cmd_aot(args) -> int:
     # of the same program, with nothing dumped: every program here is compiled.
     jax.config.update("jax_enable_compilation_cache", False)
     from ..aot import TargetError, get_target
-    from .aot.benchmark import aot_report
 
+    if args.step and (args.measure or args.profile or args.model or args.batch_per_device):
+        raise UserError("--step names your own step, compiled only: --model, --batch-per-device, --measure and "
+                        "--profile are the benchmark LM's")
+    if args.mesh_shape and not args.step:
+        raise UserError("--mesh-shape places the arguments of --step on the target's devices: use it with --step")
     if args.measure and args.target not in ("cpu", "gpu"):
         raise UserError("--measure runs the programs, so it needs the device: use it with --target cpu, "
                         "or --target gpu on a machine with a GPU")
@@ -455,6 +459,7 @@ def cmd_aot(args) -> int:
         raise UserError("--profile traces the measured programs: use it with --target gpu --measure")
     if args.copy_hints and args.target not in ("h100", "gpu"):
         raise UserError("--copy-hints is XLA:GPU's copy schedule hint: use it with --target h100 or gpu")
+    step = _load_step(args) if args.step else None  # before the target: a bad --step fails at once
     try:
         target = get_target(args.target, host_gbps=args.host_gbps)
     except TargetError as e:
@@ -464,16 +469,47 @@ def cmd_aot(args) -> int:
             with open(args.output, "w") as f:
                 f.write(text)
 
-    text, windows = aot_report(target, args.model, args.k, tuple(args.intervals), args.batch_per_device,
-                               log=lambda line: print(line, file=sys.stderr), measure=args.measure,
-                               on_progress=write, profile_dir=args.profile, copy_hints=args.copy_hints)
+    log = (lambda line: print(line, file=sys.stderr))
+    if args.step:
+        text, violations = _aot_step(args, *step, target, log)
+    else:
+        from .aot.benchmark import aot_report
+
+        text, windows = aot_report(target, args.model or "1b", args.k, tuple(args.intervals),
+                                   args.batch_per_device or 4, log=log, measure=args.measure,
+                                   on_progress=write, profile_dir=args.profile, copy_hints=args.copy_hints)
+        violations = {k: w.violations() for k, w in windows.items()}
     write(text)
     print(text)
-    failed = [k for k, w in windows.items() if w.violations()]
+    failed = [k for k, found in violations.items() if found]
     if args.check and failed:
         print(f"overlap-ckpt: check failed for K={failed} (see Checks)", file=sys.stderr)
         return 1
     return 0
+
+
+def _load_step(args) -> tuple:
+    """``--step`` and ``--mesh-shape``, read (the user's set-up code runs here)."""
+    from ..aot import StepError
+    from .aot.step_cli import load_step, parse_mesh_shape
+
+    try:
+        return load_step(args.step), parse_mesh_shape(args.mesh_shape)
+    except StepError as e:
+        raise UserError(str(e)) from None
+
+
+def _aot_step(args, user, mesh_shape, target, log) -> tuple[str, dict]:
+    """``--step``: the user's own step, reported as ``CheckpointManager.aot_report`` reports it."""
+    from ..aot import PlacementError, StepError
+    from .aot.step_cli import step_report
+
+    try:
+        report = step_report(user, target, ks=args.k, intervals=tuple(args.intervals), copy_hints=args.copy_hints,
+                             mesh_shape=mesh_shape, log=log)
+    except (StepError, PlacementError) as e:
+        raise UserError(str(e)) from None
+    return report.markdown(), report.violations
 
 
 # -- entry point -----------------------------------------------------------------------------
@@ -512,16 +548,23 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
     s.add_argument("--max-k", type=int, default=16)
     s.set_defaults(func=cmd_simulate)
-    a = sub.add_parser("aot", help="compile a benchmark model's window programs for an H100 or a TPU "
-                                   "slice without one; report copies, memory, predicted stall")
+    a = sub.add_parser("aot", help="compile a benchmark model's or your own step's window programs for an "
+                                   "H100 or a TPU slice without one; report copies, memory, predicted stall")
     a.add_argument("--target", required=True,
                    help="h100, a TPU topology such as v5e:2x2, v6e:2x2 (compile-only), cpu, or gpu (this machine's)")
-    a.add_argument("--model", default="1b", choices=sorted(LMConfig.PRESETS), help="benchmark LM preset")
+    a.add_argument("--model", default=None, choices=sorted(LMConfig.PRESETS), help="benchmark LM preset (default 1b)")
+    a.add_argument("--step", default=None, metavar="MODULE:FUNCTION",
+                   help="your own step instead of a benchmark LM: FUNCTION() (no arguments) returns "
+                        "overlap_ckpt.aot.UserStep(step, args, kwargs, model=, graphdef=) or (step, args); "
+                        "MODULE is importable from here, or a path/to/file.py (docs/aot.md)")
+    a.add_argument("--mesh-shape", default=None, metavar="AXIS=SIZE,...",
+                   help="with --step: the size of each axis of the arguments' mesh on the target (default: the "
+                        "same shape when the device counts match, else the largest axis takes every device)")
     a.add_argument("--k", type=int, nargs="+", action="extend", default=None,
                    help="window sizes to compile (default: 1, what window='auto' picks, the best); "
                         "--k 1 2 and --k 1 --k 2 alike")
     a.add_argument("--intervals", type=int, nargs="+", default=[10, 50], help="checkpoint every N steps")
-    a.add_argument("--batch-per-device", type=int, default=4)
+    a.add_argument("--batch-per-device", type=int, default=None, help="benchmark LM's batch (default 4)")
     a.add_argument("--host-gbps", type=float, default=None, help="device->host GB/s per device")
     a.add_argument("--output", default=None, help="also write the markdown report here")
     a.add_argument("--check", action="store_true", help="exit 1 when a window program fails the check")

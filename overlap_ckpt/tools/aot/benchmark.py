@@ -10,13 +10,13 @@ from typing import Callable
 import jax
 
 from ...aot import predict
+from ...aot.markdown import analysis_note, markdown, run_notes
 from ...aot.programs import compile_program
 from ...aot.targets import Target
 from ...aot.window import WindowReport, compiled_phases
 from ...manager.copy_schedule import CopyScheduleHints
 from . import cpu_check, device_check
 from .lm_step import LMSetup, lm_setup, lower_reference, lower_with, plan_window
-from .report import markdown
 
 @dataclasses.dataclass
 class AotRun:
@@ -48,23 +48,13 @@ class AotRun:
         setup, target, plain = self.setup, self.probe.target, self.probe.plain
         hint = setup.train_flops() / len(target.devices)
         flops = (f"flops per device: {hint:.3g} by the 6N-per-token estimate, {plain.matmul_flops:.3g} in the "
-                 "scheduled program's matmuls, "
-                 + (f"{plain.flops:.3g} by the compiler's cost analysis" if plain.flops else
-                    "no cost analysis from this compiler"))
+                 f"scheduled program's matmuls, {analysis_note(plain)}")
         return [f"model: {setup.config.num_params() / 1e6:.0f}M parameters, bf16 compute, f32 params and Adam "
                 f"moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, FSDP over "
                 f"{len(target.devices)} device(s)", flops,
-                *([] if self.hints is None else [
-                    "copy schedule hint on (`CheckpointManager.jit_compiler_options()`): the step's jit carries "
-                    + ", ".join(f"`{key}`" for key in self.hints.compiler_options())
-                    + "; one host copy per leaf; every capturing phase compiled once on the side for its "
-                      "latency profile (as `compile_ahead` does)"]),
-                *([] if not any("auto" in why for why in self.labels.values()) else [
-                    "window=\"auto\" and the best K chosen with copies hiding under "
-                    + (f"{self.hide_fraction:.0%} of a step, the share of the step's matmul flops K=1's compiled "
-                       "copies transfer under" if self.hide_fraction is not None else
-                       f"{predict.OVERLAPPABLE_FRACTION:.0%} of a step (no matmuls to read the schedule by)")]),
-                f"compiled on this machine from abstract inputs in {time.perf_counter() - self.started:.0f} s"]
+                *run_notes(self.hints.compiler_options() if self.hints else None,
+                           any("auto" in why for why in self.labels.values()), self.hide_fraction,
+                           time.perf_counter() - self.started)]
 
     def markdown(self, model: str, intervals: list[int]) -> str:
         return markdown(model, self.windows, self.labels, self.cost, intervals, self.notes())
@@ -131,13 +121,7 @@ def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log
 
 def _choose_from_schedule(run: AotRun, intervals) -> None:
     """Add the K that ``window="auto"`` picks at each interval and the best K, from the
-    fraction of a step K=1's compiled copies hide under (the cost model's constant where
-    its programs have no matmuls to tell by)."""
-    window = run.windows[1]
-    run.hide_fraction = predict.schedule_fraction(window)
-    f = predict.OVERLAPPABLE_FRACTION if run.hide_fraction is None else run.hide_fraction
-    labels: dict[int, list[str]] = {1: [run.labels[1]]}
-    for k, why in [*((predict.auto_k(window, run.cost, n, f), f"auto at N={n}") for n in intervals),
-                   (predict.auto_k(window, run.cost, None, f), "best")]:
-        labels.setdefault(k, []).append(why)
-    run.labels = {k: ", ".join(whys) for k, whys in labels.items()}
+    schedule K=1 got (:func:`overlap_ckpt.aot.predict.auto_choice`)."""
+    choice = predict.auto_choice(run.windows[1], run.cost, intervals)
+    run.hide_fraction = choice.fraction
+    run.labels = choice.labels(run.labels[1])
