@@ -105,6 +105,13 @@ def hand_to_next_step(owner: Any, ticket: WindowTicket | None) -> None:
     _TICKETS(keyed(by_owner)).__enter__()
 
 
+def handed_out() -> list[Any]:
+    """The owners whose tickets :func:`hand_to_next_step` has out on this thread (the
+    training thread's; a thread that compiles under :func:`window_ticket` has none)."""
+    by_owner = getattr(_HANDED, "by_owner", None)
+    return [] if by_owner is None else list(by_owner)
+
+
 def keyed(tickets: Mapping[Any, WindowTicket]) -> tuple[WindowTicket, ...]:
     """The tickets of several owners as the step sees them: ordered by owner, a fixed order
     while the owners live, so the same tickets always make the same key."""

@@ -16,18 +16,21 @@ from typing import Any, Callable
 from ..core.fallback import capture_before_step
 from ..core.ticket import Outbox, WindowTicket
 from ..core.window_context import hand_to_next_step
+from .training_compiles import CompileReport
 
 
 class Handoff:
     """One manager's tickets and outboxes. ``owner`` (the manager) keys its ticket in the
     window context, beside other managers' (:mod:`overlap_ckpt.core.window_context`);
-    ``admit(step)`` admits the window starting at ``step`` under the host budget and
-    ``await_variants()`` waits for the window variants compiled ahead."""
+    ``admit(step)`` admits the window starting at ``step`` under the host budget; ``ahead``
+    (its :class:`~overlap_ckpt.manager.compile_ahead.CompileAhead`) compiles the window
+    variants in the background, and a window step waits for them."""
 
-    def __init__(self, owner: Any, admit: Callable[[int], None], await_variants: Callable[[], None]):
+    def __init__(self, owner: Any, ahead: Any, admit: Callable[[int], None]):
         self._owner = owner
         self._admit = admit  # admits a window under the host budget, at its first step
-        self._await_variants = await_variants  # waits for the variants compiled ahead
+        self._ahead = ahead
+        self._compiles = CompileReport(owner)  # variants compiled on the training thread instead
         self.next_step: int | None = None  # version of the input state of the next step
         self.sent: WindowTicket | None = None  # the ticket given to the next step
         self._extras: list | None = None  # extras copied before the next step (doors that need it)
@@ -68,7 +71,7 @@ class Handoff:
             engine.plan_for(parts.params, parts.opt_state, parts.extras)  # re-plans if the tree changed
             if engine.phase(step) == 0 and engine.windows.captures(step, 0):  # the plan may lower K
                 self._admit(step)
-        self._await_variants()
+        self._ahead.await_variants()
         ticket = engine.ticket(step)
         self.sent = ticket
         self._extras = None
@@ -87,6 +90,8 @@ class Handoff:
                 outbox = dataclasses.replace(outbox, extras=self._extras)
             if engine.submit(t, outbox, {"framework": door.name, "window": sent.plan.k}) and sent.last:
                 self.captured.append(engine.schedule.version(t, sent.phase))
+            if sent.last:
+                self._compiles.after_window(compiled_ahead=self._ahead.call is not None)
         self.next_step = t + 1
         return state
 

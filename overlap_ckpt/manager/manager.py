@@ -74,7 +74,7 @@ class CheckpointManager:
         self._window = WindowChoice(window, options.capture_interval, persist_bytes_per_s)
         self._failures = FailureLog(self.directory)
         self._ahead = CompileAhead(lambda plan: self.engine.compile_replay(plan))
-        self._handoff = Handoff(self, await_variants=self._ahead.await_variants,
+        self._handoff = Handoff(self, self._ahead,
                                 admit=lambda first: admit_window(self._budget, self.engine, self.store, first))
         self._closed = False
 
