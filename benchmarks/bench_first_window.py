@@ -97,7 +97,7 @@ def worker(args: argparse.Namespace) -> dict:
     in_span = [s for at, s in compiles if start <= at <= end]
     if mngr is not None:
         mngr.wait_until_finished()
-        saved = [version for version, *_ in mngr.store.history]
+        saved = [record.step for record in mngr.store.history]
         mngr.close()
     elif omngr is not None:
         omngr.wait_until_finished()
