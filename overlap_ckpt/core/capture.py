@@ -109,10 +109,27 @@ def to_host(x: jax.Array, plan: CapturePlan, sharding: jax.sharding.Sharding) ->
     if lead:
         x = x.reshape((1,) * lead + x.shape)
         sharding = _with_lead_axes(sharding, lead)
-    x = jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
-    if isinstance(sharding, NamedSharding):  # the host copy itself keeps the layout (see above)
-        x = jax.lax.with_sharding_constraint(x, sharding.with_memory_kind(HOST_KIND))
+    with mesh_of(sharding):
+        x = jax.device_put(jax.device_put(x, sharding), jax.memory.Space.Host)
+        if isinstance(sharding, NamedSharding):  # the host copy itself keeps the layout (see above)
+            x = jax.lax.with_sharding_constraint(x, sharding.with_memory_kind(HOST_KIND))
     return x
+
+
+def mesh_of(sharding: jax.sharding.Sharding) -> contextlib.AbstractContextManager:
+    """The state's mesh as the trace's context, where its axes are explicit and the step was
+    traced without one.
+
+    Why: ``jax.make_mesh`` makes explicit axes by default (jax 0.10), and a loop may place
+    its state on such a mesh with ``jax.device_put`` and jit its step without ``jax.set_mesh``.
+    The step then traces with no mesh in context, and a sharding constraint that names an
+    explicit axis is refused ("can only refer to Auto axes"): the first window step of such a
+    loop failed while its plain steps ran. Under the mesh, as under ``jax.set_mesh``, the
+    arrays carry their layout in their types, and the constraint checks it instead."""
+    if (not isinstance(sharding, NamedSharding) or not jax.sharding.get_abstract_mesh().empty
+            or jax.sharding.AxisType.Explicit not in sharding.mesh.axis_types):
+        return contextlib.nullcontext()
+    return jax.sharding.use_abstract_mesh(sharding.mesh.abstract_mesh)
 
 
 def _with_lead_axes(sharding: jax.sharding.Sharding, lead: int) -> jax.sharding.Sharding:
@@ -213,7 +230,8 @@ def _constrained(x: jax.Array, sharding: jax.sharding.Sharding) -> jax.Array:
     """``x`` placed as ``sharding`` in the program (a mesh layout; not inside ``jax.pmap``)."""
     if not isinstance(sharding, NamedSharding) or jax.sharding.get_abstract_mesh().manual_axes:
         return x
-    return jax.lax.with_sharding_constraint(x, sharding)
+    with mesh_of(sharding):
+        return jax.lax.with_sharding_constraint(x, sharding)
 
 
 def updated_apart(plan: CapturePlan, step: Any, params, opt_state) -> tuple[Any, Any]:

@@ -90,5 +90,5 @@ class CompileReport:
             log.warning(
                 "the checkpoint window compiled its step variants on the training thread (%.2f s, once "
                 "per run): call mngr.compile_ahead(train_step, *args) after mngr.prepare(...) to compile "
-                "them in the background (docs/manager.md)", new)
+                "them in the background (docs/porting.md)", new)
         return new

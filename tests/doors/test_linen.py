@@ -206,6 +206,40 @@ def fsdp_loop_without_out_shardings(directory: str) -> None:
                 assert_tree_bitwise(saved_as_state_tree(raw, snaps[v]), snaps[v], where=f"K={window} V={v} ")
 
 
+def explicit_axes_loop_without_set_mesh(directory: str) -> None:
+    """The state on a mesh of ``jax.make_mesh``'s default (explicit) axes, placed with
+    ``jax.device_put``, its step jitted and called with no ``jax.set_mesh``: each window's
+    checkpoint equals the state the loop holds at that step."""
+    from jax.sharding import AxisType
+
+    mesh = jax.make_mesh((2,), ("data",), axis_types=(AxisType.Explicit,))
+    rng = np.random.default_rng(0)
+    params = {"kernel": jax.device_put(rng.standard_normal((8, 4), dtype=np.float32), NamedSharding(mesh, P("data"))),
+              "bias": jax.device_put(np.zeros(4, np.float32), NamedSharding(mesh, P()))}
+
+    @functools.partial(jax.jit, donate_argnums=0)
+    def explicit_step(state, x):
+        grads = jax.grad(lambda p: jnp.sum(jnp.tanh(x @ p["kernel"] + p["bias"]) ** 2))(state.params)
+        return state.apply_gradients(grads=grads)
+
+    for window in (1, 2):
+        snaps = {}
+        with CheckpointManager(f"{directory}/k{window}", save_interval_steps=INTERVAL, window=window) as mngr:
+            state = mngr.prepare(TrainState.create(apply_fn=None, params=jax.tree.map(jnp.copy, params),
+                                                   tx=optax.chain(optax.clip_by_global_norm(1.0), optax.adam(1e-2))))
+            for t in range(2 * INTERVAL + 1):
+                x = np.random.default_rng([1, t]).standard_normal((4, 8), dtype=np.float32)
+                state = mngr.step(explicit_step(state, x))
+                if mngr.should_save(t + 1):
+                    snaps[t + 1] = jax.tree.map(lambda a: np.array(a, copy=True), {
+                        "step": state.step, "params": state.params, "opt_state": state.opt_state})
+            mngr.wait_until_finished()
+            assert mngr.all_steps() == [4, 8] and mngr.engine.windows_aborted == 0
+            for v in (4, 8):
+                raw, _ = mngr.store.restore(v)
+                assert_tree_bitwise(saved_as_state_tree(raw, snaps[v]), snaps[v], where=f"K={window} V={v} ")
+
+
 def fsdp_loop_compiled_ahead(directory: str) -> None:
     import threading
 
@@ -231,6 +265,14 @@ def test_a_step_that_shards_a_replicated_leaf_is_checkpointed_exactly(tmp_path):
     at ``prepare`` expected a replicated bias whose gradient and moments came back in
     halves, and the replay failed ("add got incompatible shapes (8,), (16,)")."""
     run_in_subprocess(__file__, "fsdp_loop_without_out_shardings", str(tmp_path), devices=2)
+
+
+def test_a_mesh_of_explicit_axes_without_set_mesh_is_checkpointed_exactly(tmp_path):
+    """``jax.make_mesh`` makes explicit axes by default (jax 0.10); a loop that places its
+    state on them and never calls ``jax.set_mesh`` failed at its first window step: the
+    capture's sharding constraint named an explicit axis with no mesh in context ("can only
+    refer to Auto axes")."""
+    run_in_subprocess(__file__, "explicit_axes_loop_without_set_mesh", str(tmp_path), devices=2)
 
 
 def test_compile_ahead_compiles_the_variants_for_the_state_as_the_first_step_placed_it(tmp_path):
