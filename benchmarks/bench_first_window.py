@@ -23,8 +23,10 @@ then 100 steps dispatched with no sync, timed to the fetch of the last loss. Loo
 * ``overlap + compile_ahead``: the same with ``mngr.compile_ahead(train_step, state, batch)``.
 
 Per loop and round: the span's seconds, the XLA compile seconds on the training thread inside
-the span (jax's compile event, recorded by the worker itself), and the checkpoints committed
-in the span. Rounds interleave the loops (``none`` first), so drift between rounds hits all;
+the span (jax's compile event, recorded by the worker itself), the checkpoints committed
+in the span, and the span's CPU seconds by thread group (``benchmarks.thread_cpu``; in the
+table: the checkpointers' own threads, everything but the training thread, XLA's compute
+pool and unnamed Python threads). Rounds interleave the loops (``none`` first), so drift between rounds hits all;
 per round, each loop's span is compared with the ``none`` span of the same round.
 """
 
@@ -32,12 +34,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import statistics
 import sys
 import tempfile
 import threading
 import time
 
+from benchmarks import thread_cpu
 from benchmarks.harness import run_fresh
 from benchmarks.reporting import publish
 
@@ -91,9 +95,16 @@ def worker(args: argparse.Namespace) -> dict:
         return loss
 
     float(run(0, args.warmup))
+    threads_before, usage_before = thread_cpu.read(), resource.getrusage(resource.RUSAGE_SELF)
     start = time.perf_counter()
     float(run(args.warmup, SPAN))
     end = time.perf_counter()
+    by_thread = thread_cpu.by_group(threads_before, thread_cpu.read())
+    usage = resource.getrusage(resource.RUSAGE_SELF)
+    # A thread that started and ended inside the span (Orbax starts one per save) is seen by
+    # neither reading; the process's total holds it.
+    by_thread["threads that ended"] = (usage.ru_utime + usage.ru_stime - usage_before.ru_utime
+                                       - usage_before.ru_stime - sum(by_thread.values()))
     in_span = [s for at, s in compiles if start <= at <= end]
     if mngr is not None:
         mngr.wait_until_finished()
@@ -103,7 +114,8 @@ def worker(args: argparse.Namespace) -> dict:
         omngr.wait_until_finished()
         omngr.close()
     committed = sum(args.warmup < step <= args.warmup + SPAN for step in saved)
-    return {"span_s": end - start, "compile_s": sum(in_span), "compiles": len(in_span), "committed": committed}
+    return {"span_s": end - start, "compile_s": sum(in_span), "compiles": len(in_span), "committed": committed,
+            "thread_cpu_s": by_thread}
 
 
 def main(argv: list[str] | None = None) -> dict:
@@ -147,8 +159,17 @@ def summarize(rows: dict[str, list[dict]]) -> dict:
                          "ettr_by_round": [ref / row["span_s"] for row, ref in zip(loop_rows, none)],
                          "excess_by_round_s": excess,
                          "compile_s_by_round": [row["compile_s"] for row in loop_rows],
-                         "committed": [row["committed"] for row in loop_rows]}
+                         "committed": [row["committed"] for row in loop_rows],
+                         "checkpointer_cpu_s_by_round": [checkpointer_cpu_s(row) for row in loop_rows]}
     return summary
+
+
+NOT_CHECKPOINTER = ("training", "xla compute", "other python", "pjrt")
+
+
+def checkpointer_cpu_s(row: dict) -> float:
+    """CPU seconds of the checkpointer's own threads in the span (a run without the column: 0)."""
+    return sum(s for group, s in row.get("thread_cpu_s", {}).items() if group not in NOT_CHECKPOINTER)
 
 
 def markdown(report: dict) -> str:
@@ -160,14 +181,16 @@ def markdown(report: dict) -> str:
              f"Each loop in a fresh process: {report['warmup']} warm-up steps, then {report['span']} steps "
              "dispatched with no sync, timed to the last loss; rounds interleave the loops.", "",
              "| loop | span s (median) | ETTR by round (none / loop) | excess over none by round, s | "
-             "compile on the training thread in the span by round, s | checkpoints committed in the span |",
-             "|---|--:|---|---|---|---|"]
+             "compile on the training thread in the span by round, s | checkpoints committed in the span | "
+             "checkpointer threads' CPU in the span by round, s |",
+             "|---|--:|---|---|---|---|---|"]
     for loop in LOOPS:
         row = s[loop]
         lines.append(f"| {loop} | {row['span_s']:.2f} | {', '.join(f'{x:.3f}' for x in row['ettr_by_round'])} | "
                      f"{', '.join(f'{x:+.2f}' for x in row['excess_by_round_s'])} | "
                      f"{', '.join(f'{x:.2f}' for x in row['compile_s_by_round'])} | "
-                     f"{', '.join(str(x) for x in row['committed'])} |")
+                     f"{', '.join(str(x) for x in row['committed'])} | "
+                     f"{', '.join(f'{x:.2f}' for x in row['checkpointer_cpu_s_by_round'])} |")
     orbax = s["orbax async"]["excess_by_round_s"]
     for loop in ("overlap", "overlap + compile_ahead"):
         diff = [a - b for a, b in zip(s[loop]["excess_by_round_s"], orbax)]

@@ -84,8 +84,9 @@ class CompileReport:
             log.warning(
                 "a checkpoint window compiled %.2f s on the training thread although compile_ahead was "
                 "called: the window step's arguments differ from those given to compile_ahead (another "
-                "shape, dtype or sharding), or another jitted function first ran in the window. Give "
-                "compile_ahead the arguments of a real call, after the step that placed them.", new)
+                "shape, dtype or sharding; give it the arguments of a real call), another jitted function "
+                "first ran in the window, or the window ran without copies (a skipped window's variants "
+                "compile ahead only with on_host_budget='skip').", new)
         else:
             log.warning(
                 "the checkpoint window compiled its step variants on the training thread (%.2f s, once "
