@@ -38,6 +38,7 @@ import tempfile
 import time
 
 from benchmarks.harness import run_fresh
+from benchmarks.lm_loop import orbax_async_manager
 from benchmarks.reporting import publish
 
 CONFIGS = ("none", "orbax_async", "overlap_k1", "overlap_k3")
@@ -106,8 +107,7 @@ def run_config(config: str, layers: int, interval: int, checkpoints: int, pause_
         state = mngr.prepare(state)
         mngr.compile_ahead(train_step, state, x)
     elif config == "orbax_async":
-        omngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-            save_interval_steps=interval, max_to_keep=2, enable_async_checkpointing=True))
+        omngr = orbax_async_manager(directory, interval)
     rows = []
     freeze_collect_s = None
     with FullCollections() as full_gcs:

@@ -53,7 +53,7 @@ def worker(args: argparse.Namespace) -> dict:
     import jax
     import optax
 
-    from benchmarks.lm_loop import lm_loop
+    from benchmarks.lm_loop import lm_loop, orbax_async_manager, orbax_save
 
     compiles: list[tuple[float, float]] = []  # (end time, seconds) of each compile on this thread
     main = threading.current_thread()
@@ -76,9 +76,7 @@ def worker(args: argparse.Namespace) -> dict:
         if args.loop == "overlap + compile_ahead":
             mngr.compile_ahead(lm.train_step, state, lm.batches[0])
     elif args.loop == "orbax async":
-        import orbax.checkpoint as ocp
-        omngr = ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
-            save_interval_steps=args.interval, max_to_keep=2, enable_async_checkpointing=True))
+        omngr = orbax_async_manager(directory, args.interval)
 
     saved = []  # steps Orbax started a save of
 
@@ -89,8 +87,7 @@ def worker(args: argparse.Namespace) -> dict:
             state, loss = lm.train_step(state, lm.batches[t % len(lm.batches)])
             if mngr is not None:
                 state = mngr.step(state)
-            elif omngr is not None and (t + 1) % args.interval == 0 and omngr.save(
-                    t + 1, args=ocp.args.StandardSave({"params": state.params, "opt_state": state.opt_state})):
+            elif omngr is not None and (t + 1) % args.interval == 0 and orbax_save(omngr, t + 1, state):
                 saved.append(t + 1)
         return loss
 
@@ -99,12 +96,9 @@ def worker(args: argparse.Namespace) -> dict:
     start = time.perf_counter()
     float(run(args.warmup, SPAN))
     end = time.perf_counter()
-    by_thread = thread_cpu.by_group(threads_before, thread_cpu.read())
     usage = resource.getrusage(resource.RUSAGE_SELF)
-    # A thread that started and ended inside the span (Orbax starts one per save) is seen by
-    # neither reading; the process's total holds it.
-    by_thread["threads that ended"] = (usage.ru_utime + usage.ru_stime - usage_before.ru_utime
-                                       - usage_before.ru_stime - sum(by_thread.values()))
+    by_thread = thread_cpu.with_ended(thread_cpu.by_group(threads_before, thread_cpu.read()),
+                                      usage.ru_utime + usage.ru_stime - usage_before.ru_utime - usage_before.ru_stime)
     in_span = [s for at, s in compiles if start <= at <= end]
     if mngr is not None:
         mngr.wait_until_finished()

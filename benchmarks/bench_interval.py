@@ -65,7 +65,7 @@ import tempfile
 import time
 
 from benchmarks import thread_cpu
-from benchmarks.lm_loop import lm_loop
+from benchmarks.lm_loop import lm_loop, orbax_async_manager, orbax_save
 from benchmarks.reporting import publish
 
 
@@ -98,8 +98,6 @@ def main(argv: list[str] | None = None) -> dict:
         ap.error(f"--block {block} must be a multiple of every interval {args.intervals}")
     window = args.window if args.window == "auto" else int(args.window)
 
-    import orbax.checkpoint as ocp
-
     import overlap_ckpt as oc
 
     lm = lm_loop(args.model, args.batch_size)
@@ -125,8 +123,7 @@ def main(argv: list[str] | None = None) -> dict:
             mngr.compile_ahead(train_step, state, batches[0])
             loops[f"{kind} N={n}"] = {"state": state, "n": n, "mngr": mngr, "t": start_step}
         if not args.no_orbax:
-            omngr = ocp.CheckpointManager(os.path.join(root, f"orbax_{n}"), options=ocp.CheckpointManagerOptions(
-                save_interval_steps=n, max_to_keep=2, enable_async_checkpointing=True))
+            omngr = orbax_async_manager(os.path.join(root, f"orbax_{n}"), n)
             loops[f"orbax async N={n}"] = {"state": fresh(), "n": n, "omngr": omngr, "t": start_step}
         return loops
 
@@ -169,8 +166,7 @@ def main(argv: list[str] | None = None) -> dict:
                 called = time.perf_counter()
                 state = mngr.step(state)
             elif on and (t + 1) % n == 0:
-                saved += bool(omngr.save(t + 1, args=ocp.args.StandardSave(
-                    {"params": state.params, "opt_state": state.opt_state})))
+                saved += bool(orbax_save(omngr, t + 1, state))
             mark = time.perf_counter()
             spent["checkpointer_s"] += mark - called
             if (args.sync_every and (t + 1 - first) % args.sync_every == 0) or t == first + block - 1:
@@ -185,10 +181,7 @@ def main(argv: list[str] | None = None) -> dict:
             saved = len(mngr.store.history) - persisted
         after, threads_after = resource.getrusage(resource.RUSAGE_SELF), thread_cpu.read()
         cpu_s = after.ru_utime + after.ru_stime - before.ru_utime - before.ru_stime
-        by_thread = thread_cpu.by_group(threads_before, threads_after)
-        # A thread that started and ended between the readings (Orbax starts one per save)
-        # is seen by neither; the process's total holds it.
-        by_thread["threads that ended"] = cpu_s - sum(by_thread.values())
+        by_thread = thread_cpu.with_ended(thread_cpu.by_group(threads_before, threads_after), cpu_s)
         return {"on": on, "first_step": first, "block_s": end - start, "drain_s": drained - end, "ckpts": saved,
                 "cpu_s": cpu_s, "minor_faults": after.ru_minflt - before.ru_minflt, "sync_s": syncs, **spent,
                 "thread_cpu_s": by_thread}

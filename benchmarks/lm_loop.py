@@ -44,6 +44,23 @@ class LMLoop:
         return jax.device_put(state.replace(step=jax.numpy.asarray(step, jax.numpy.int32)), self.device)
 
 
+def orbax_async_manager(directory: str, interval: int) -> Any:
+    """Stock Orbax's async ``CheckpointManager`` as the benchmarks set it beside overlap_ckpt:
+    a save every ``interval`` steps, the two newest kept."""
+    import orbax.checkpoint as ocp
+
+    return ocp.CheckpointManager(directory, options=ocp.CheckpointManagerOptions(
+        save_interval_steps=interval, max_to_keep=2, enable_async_checkpointing=True))
+
+
+def orbax_save(omngr: Any, step: int, state: Any) -> bool:
+    """Orbax's save of ``state``'s params and optimizer state at ``step``, as the benchmarks'
+    Orbax loops call it (the tree overlap_ckpt saves, less its step counter)."""
+    import orbax.checkpoint as ocp
+
+    return omngr.save(step, args=ocp.args.StandardSave({"params": state.params, "opt_state": state.opt_state}))
+
+
 def _jit_step(loss_and_update: Callable, compiler_options: dict | None = None) -> Callable:
     import jax
 

@@ -76,3 +76,10 @@ def by_group(before: dict[int, tuple[str, float]], after: dict[int, tuple[str, f
         if spent > 0:
             groups[group] = groups.get(group, 0.0) + spent
     return dict(sorted(groups.items(), key=lambda kv: -kv[1]))
+
+
+def with_ended(by_thread: dict[str, float], process_cpu_s: float) -> dict[str, float]:
+    """``by_thread`` (from :func:`by_group`) plus ``"threads that ended"``: the process's CPU
+    seconds over the same span (``resource.getrusage``) that no reading saw, those of
+    threads that started and ended between the two readings (Orbax starts one per save)."""
+    return {**by_thread, "threads that ended": process_cpu_s - sum(by_thread.values())}
