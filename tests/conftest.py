@@ -31,6 +31,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 COMPILE_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
                       "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
 
+#: A compilation cache directory kept between runs (``.ci/run`` sets it); unset, each run
+#: starts with an empty cache of its own.
+KEPT_COMPILE_CACHE_VAR = "OVERLAP_CKPT_TEST_COMPILE_CACHE"
+
 T = TypeVar("T")
 
 
@@ -79,14 +83,17 @@ def shared_compile_cache(tmp_path_factory):
     A program read back from the cache is the one a compile would give, so results,
     bitwise checks included, are the same; compile events still fire (on a hit, too), so
     the tests that check which thread compiled still see every compile. The cache starts
-    empty in each run. Subprocesses that test compiling itself are started without it
-    (:func:`run_python`), and the compile-only accelerator tests, which read the
-    compiler's dumps, turn it off (``tests/aot/conftest.py``). A worker killed while it
-    writes an entry leaves a truncated file, which JAX reports with a warning and compiles
-    again."""
+    empty in each run, unless :data:`KEPT_COMPILE_CACHE_VAR` names a directory kept between
+    runs (``.ci/run`` keeps one per jax version: its key holds the program, the compile
+    options and jax's version, so an entry is never another program's, and a run after a
+    change compiles only what the change touched). The compile-only accelerator tests,
+    which read the compiler's dumps, turn it off (``tests/aot/conftest.py``), as does
+    ``overlap-ckpt aot``. A worker killed while it writes an entry leaves a truncated
+    file, which JAX reports with a warning and compiles again."""
     from jax.experimental.compilation_cache import compilation_cache
 
-    shared = run_wide_tmp(tmp_path_factory) / "jax-compile-cache"
+    kept = os.environ.get(KEPT_COMPILE_CACHE_VAR)
+    shared = Path(kept) if kept else run_wide_tmp(tmp_path_factory) / "jax-compile-cache"
     os.environ.update(zip(COMPILE_CACHE_VARS, (str(shared), "0", "-1")))
     jax.config.update("jax_compilation_cache_dir", str(shared))
     jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
@@ -253,9 +260,13 @@ def check_windows(sink, references):
         assert int(tree["extras"]["step"].to_numpy()) == version
 
 
-def run_python(code: str, *, devices: int = 1, timeout: int = 600) -> subprocess.CompletedProcess:
-    """Run ``code`` in a fresh interpreter with ``devices`` simulated CPU devices."""
-    env = {k: v for k, v in os.environ.items() if k not in COMPILE_CACHE_VARS}  # a cold compile, as tested
+def run_python(code: str, *, devices: int = 1, timeout: int = 600,
+               compile_cache: bool = True) -> subprocess.CompletedProcess:
+    """Run ``code`` in a fresh interpreter with ``devices`` simulated CPU devices, on the
+    run's compilation cache (:func:`shared_compile_cache`) unless ``compile_cache`` is
+    False: ``overlap_ckpt.aot``'s reports read the compiler's dumps, which a program loaded
+    from the cache does not write."""
+    env = {k: v for k, v in os.environ.items() if compile_cache or k not in COMPILE_CACHE_VARS}
     env["XLA_FLAGS"] = f"--xla_force_host_platform_device_count={devices}"
     env["PYTHONPATH"] = REPO + os.pathsep + env.get("PYTHONPATH", "")
     env["JAX_PLATFORMS"] = "cpu"

@@ -85,7 +85,9 @@ def _committed(directory: str) -> list[int]:
 
 def _chain(style: str, base: str) -> dict:
     """Reference, kill, resume and the stock Orbax read of one style, in order."""
-    env = _env(style, os.path.join(base, "jax_cache"))
+    # The run's cache (tests/conftest.py) where there is one: the programs of one style are
+    # the same in each run, and in the next run where the cache is kept.
+    env = _env(style, os.environ.get("JAX_COMPILATION_CACHE_DIR") or os.path.join(base, "jax_cache"))
     worker = os.path.join(HERE, "worker.py")
     ref_dir, run_dir = os.path.join(base, "reference"), os.path.join(base, "run")
     out = {"ref_dir": ref_dir, "run_dir": run_dir}
