@@ -31,16 +31,19 @@ from .manager import window_choice
 @contextlib.contextmanager
 def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
                         d2h_bytes_per_s: float = 25e9, outbox_memory: str = "pinned_host",
-                        hardware: Any = None) -> Iterator[None]:
+                        hardware: Any = None, hide_fraction: float | None = None) -> Iterator[None]:
     """Within the block, devices follow ``platform``'s rules.
 
     ``step_time_s`` and ``d2h_bytes_per_s`` are what ``window="auto"`` measures;
     ``outbox_memory`` is the memory kind window steps copy into; ``hardware`` (an
     :class:`overlap_ckpt.costmodel.hardware.Hardware`) the numbers of the device it predicts
-    from (None: an unknown device, so ``window="auto"`` measures).
+    from (None: an unknown device, so ``window="auto"`` measures); ``hide_fraction`` what it
+    reads from each window phase ``compile_ahead`` compiles (XLA:CPU's programs have no
+    copy to another memory to read it from; None: the cost model's constant).
     """
     auto = window_choice
-    saved = (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of)
+    saved = (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of,
+             auto.hide_fraction_of)
     ticks = itertools.count()
     backend.emulated = platform
     # Every reading advances by the time of the steps AutoWindow measures between two readings.
@@ -48,7 +51,9 @@ def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
     auto.measure_bandwidth = lambda device: d2h_bytes_per_s
     backend.emulated_memory = outbox_memory
     auto.hardware_of = lambda device: hardware
+    auto.hide_fraction_of = lambda compiled: hide_fraction
     try:
         yield
     finally:
-        backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of = saved
+        (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of,
+         auto.hide_fraction_of) = saved

@@ -142,6 +142,33 @@ def test_window_auto_measures_on_a_device_it_has_no_numbers_for(tmp_path):
             assert mngr.window_prediction is None and mngr.engine.schedule.k == 1  # until measured
 
 
+def test_window_auto_chooses_k_with_the_share_of_the_step_its_compiled_copies_hide_under(tmp_path):
+    """With compile_ahead, the measured K is chosen with the fraction of the step read from the
+    compiled window phases (here given by the emulation: XLA:CPU's programs copy within one
+    memory; compile-only on an H100, test_window_programs.py reads a real one), not with the
+    cost model's constant. Reference: the cost model run directly with that fraction."""
+    tx = optax.adam(1e-3)
+    step_time, bandwidth, interval, fraction = 0.01, 2e6, 20, 0.15
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    with emulate_accelerator("gpu", step_time_s=step_time, d2h_bytes_per_s=bandwidth, hide_fraction=fraction):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
+            state = mngr.prepare(_train_state(tx))
+            plan = mngr.engine.plan
+
+            def k_with(f):
+                return costmodel.choose_k(costmodel.TrainingProfile(
+                    step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
+                    grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s,
+                    overlappable_fraction=f), interval_steps=interval)
+
+            want, assumed = k_with(fraction), k_with(costmodel.TrainingProfile.overlappable_fraction)
+            assert want != assumed, "the fraction must change K, or this test proves nothing"
+            mngr.compile_ahead(_step, state, x)
+            for t in range(2 * interval + 1):
+                state = mngr.step(_step(state, x * (t + 1) / 10))
+            assert mngr.engine.schedule.k == want
+
+
 def test_window_copies_in_another_memory_kind_stay_exact():
     with emulate_accelerator("cpu", outbox_memory="unpinned_host"):
         engine, sink, refs = run_loop(optax.adam(1e-2), make_params([(40, 6), (6,)]), window=2,

@@ -24,10 +24,13 @@ Assumptions (printed with every prediction):
 from __future__ import annotations
 
 import dataclasses
-from typing import Iterable
+from typing import Iterable, Sequence
+
+import jax
 
 from ..costmodel.model import TrainingProfile, predicted_step_time_s
 from ..costmodel.window import MFU, choose_window
+from .hlo import HostCopy, entry_instructions, host_copies, scheduled_flops
 from .programs import ProgramReport
 from .targets import Target
 from .window import WindowReport
@@ -103,14 +106,33 @@ def scheduled_stall_s(program: ProgramReport, step_time_s: float, link_bytes_per
     return delay
 
 
-def schedule_fraction(report: WindowReport) -> float | None:
-    """The fraction of a step the compiled window copies can hide under: per phase, the
-    largest share of the step's matmul flops scheduled while one of its copies transfers;
-    the least of the phases. None where a phase has no matmuls to tell by or no copy to
-    the host (the CPU target, whose outbox is a copy within its one memory)."""
-    if not report.phases or not all(p.matmul_flops and p.host_copies for p in report.phases):
+def hide_fraction(copies: Sequence[HostCopy], matmul_flops: float) -> float | None:
+    """The fraction of a step one compiled window phase's copies can hide under: the largest
+    share of the step's matmul flops scheduled while one of its ``copies`` transfers. None
+    where the phase has no matmuls to tell by or no copy to the host (the CPU, whose outbox
+    is a copy within its one memory)."""
+    if not (matmul_flops and copies):
         return None
-    return min(max(p.between(c) for c in p.host_copies) for p in report.phases)
+    return max(c.flops_between for c in copies) / matmul_flops
+
+
+def compiled_hide_fraction(compiled: jax.stages.Compiled) -> float | None:
+    """:func:`hide_fraction` of a phase compiled for the device it runs on, read from its
+    scheduled program alone (``window="auto"`` reads it from the variants ``compile_ahead``
+    compiled, which dumped nothing: :func:`overlap_ckpt.aot.programs.compile_program` is
+    the tool's)."""
+    text = compiled.as_text()
+    flops = scheduled_flops(text)
+    return hide_fraction(host_copies(entry_instructions(text), flops), sum(flops))
+
+
+def schedule_fraction(report: WindowReport) -> float | None:
+    """The fraction of a step the compiled window copies can hide under: the least of its
+    phases' :func:`hide_fraction`. None where one of them has none."""
+    fractions = [hide_fraction(p.host_copies, p.matmul_flops) for p in report.phases]
+    if not fractions or None in fractions:
+        return None
+    return min(fractions)
 
 
 def window_stall_s(report: WindowReport, cost: StepCost, f: float = OVERLAPPABLE_FRACTION,

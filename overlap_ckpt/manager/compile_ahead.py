@@ -64,11 +64,16 @@ class CompileAhead:
     """The background compiles of one manager's window variants.
 
     ``compile_replay(plan)`` compiles the host replay's programs of ``plan`` (the engine's,
-    read when the variants are done: the manager may have a new engine by then).
+    read when the variants are done: the manager may have a new engine by then);
+    ``read_schedule(plan, phase, compiled)`` is given each variant compiled that copies a
+    phase of the manager's own ``plan`` (``window="auto"`` reads where its copies are
+    scheduled).
     """
 
-    def __init__(self, compile_replay: Callable[[CapturePlan], None]):
+    def __init__(self, compile_replay: Callable[[CapturePlan], None],
+                 read_schedule: Callable[[CapturePlan, int, jax.stages.Compiled], None] = lambda *_: None):
         self._compile_replay = compile_replay
+        self._read_schedule = read_schedule
         self.call: AheadCall | None = None  # the latest step given to compile_ahead
         self.live: tuple | None = None  # its NNX objects and state positions, until the first step
         self._first_job: AheadJob | None = None  # what compiles ahead, as the first step left it
@@ -158,7 +163,11 @@ class CompileAhead:
                         hints = self.hints
                         if hints is not None and hints.wanted(ticket):
                             hints.prepare(lowered)  # before the compile the step's jit keeps
-                        lowered.compile()
+                        compiled = lowered.compile()
+                    own = [t.phase for t in (ticket if isinstance(ticket, tuple) else (ticket,))
+                           if isinstance(t, WindowTicket) and t.plan is picked.plan and t.capture]
+                    if own:
+                        self._read_schedule(picked.plan, own[0], compiled)
                     # XLA frees a compile's working memory in pieces that glibc keeps in its
                     # arenas: measured on the 20M LM, K=3, 1.3x the state stayed resident
                     # after the variants compiled, until the process ended.

@@ -73,7 +73,7 @@ class CheckpointManager:
         self._door: Door | None = None
         self._window = WindowChoice(window, options.capture_interval, persist_bytes_per_s)
         self._failures = FailureLog(self.directory)
-        self._ahead = CompileAhead(lambda plan: self.engine.compile_replay(plan))
+        self._ahead = CompileAhead(lambda plan: self.engine.compile_replay(plan), self._window.read_schedule)
         self._handoff = Handoff(self, self._ahead,
                                 admit=lambda first: admit_window(self._budget, self.engine, self.store, first))
         self._closed = False
@@ -141,7 +141,7 @@ class CheckpointManager:
         plain = self._handoff.sent is None
         state = self._handoff.take(self.engine, self._door, state)
         step = self._handoff.next_step
-        if plain and self._window.auto is not None:
+        if plain and self._window.adapting:
             k = self._window.observe(self._door.parts(state).params, step, self.engine.plan)
             if k is not None and self._use_window(k, state) and self._ahead.call is not None:
                 self._ahead.start(self._ahead_job())

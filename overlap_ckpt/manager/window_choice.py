@@ -16,6 +16,12 @@ accelerator K comes from the cost model's one rule
   when nothing was predicted). A prediction rests on a datasheet and an assumed MFU; the
   measurement corrects it.
 
+Both rules need the fraction of a step a window's copies hide under. Where ``compile_ahead``
+compiled the window's phases before the measurement ends, it is read from where their
+compiled schedule starts and ends each copy (:meth:`WindowChoice.read_schedule`; XLA:GPU
+starts a state copy late in the step, so that fraction is far below the cost model's
+constant: 0.14-0.34 of a 1B LM's step on an H200 against 0.9). Without it, the constant.
+
 The machine-dependent inputs (the clock, the bandwidth probe, the device's numbers) are
 module attributes that tests replace (:func:`overlap_ckpt.testing.emulate_accelerator`) to
 run both paths on the CPU.
@@ -40,10 +46,18 @@ log = logging.getLogger(__name__)
 
 MEASURE_STEPS = 5  # steps timed before choosing K
 
+
+
+def _compiled_hide_fraction(compiled: Any) -> float | None:
+    from ..aot.predict import compiled_hide_fraction  # the HLO reader, imported only where it is used
+    return compiled_hide_fraction(compiled)
+
+
 # Replaced by overlap_ckpt.testing to exercise the accelerator paths on the CPU backend.
 measure_bandwidth: Callable[[Any], float] = measure_d2h_bandwidth
 clock: Callable[[], float] = time.perf_counter
 hardware_of: Callable[[Any], Any] = _known_hardware  # -> costmodel.hardware.Hardware | None
+hide_fraction_of: Callable[[Any], float | None] = _compiled_hide_fraction  # of a compiled window phase
 
 
 class AutoWindow:
@@ -55,6 +69,7 @@ class AutoWindow:
         self._start: tuple[float, int] | None = None
         self.done = False
         self.step_time_s: float | None = None
+        self.d2h_bytes_per_s: float | None = None
 
     def wants_measurement(self, leaf: Any) -> bool:
         """False where K=1 is final: on the CPU backend, and where JAX's CPU backend, which
@@ -74,9 +89,11 @@ class AutoWindow:
         """Forget a partial measurement (a resume, a re-plan)."""
         self._start = None
 
-    def observe(self, leaf: jax.Array, step: int, state_bytes: int, grad_bytes: int) -> int | None:
+    def observe(self, leaf: jax.Array, step: int, state_bytes: int, grad_bytes: int,
+                hide_fraction: float | None = None) -> int | None:
         """Call after a step outside a window with one leaf of the new state; returns K when
-        the measurement is complete, else None (and None forever after)."""
+        the measurement is complete, else None (and None forever after). ``hide_fraction``:
+        of a step the window's compiled copies hide under (None: the cost model's constant)."""
         if self.done:
             return None
         if self._start is None:
@@ -90,12 +107,24 @@ class AutoWindow:
         self.step_time_s = (clock() - start) / (step - start_step)
         self.done = True
         try:
-            k = choose_window(self.step_time_s, measure_bandwidth(next(iter(leaf.sharding.device_set))),
-                              state_bytes, grad_bytes, self.persist_bytes_per_s, self.interval_steps)
+            self.d2h_bytes_per_s = measure_bandwidth(next(iter(leaf.sharding.device_set)))
+        except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
+            log.warning("window='auto' could not measure the device-to-host bandwidth (%s); keeping K=1", e)
+            return 1
+        return self.choose(state_bytes, grad_bytes, hide_fraction)
+
+    def choose(self, state_bytes: float, grad_bytes: float, hide_fraction: float | None = None) -> int:
+        """K for the measured step time and bandwidth; ``hide_fraction``: of a step the
+        window's compiled copies hide under (None: the cost model's constant)."""
+        fraction = {} if hide_fraction is None else {"overlappable_fraction": hide_fraction}
+        try:
+            k = choose_window(self.step_time_s, self.d2h_bytes_per_s, state_bytes, grad_bytes,
+                              self.persist_bytes_per_s, self.interval_steps, **fraction)
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.warning("window='auto' could not choose K (%s); keeping K=1", e)
             return 1
-        log.info("window='auto': step %.4fs, K=%d", self.step_time_s, k)
+        log.info("window='auto': step %.4fs, copies hide under %s of it, K=%d", self.step_time_s,
+                 "an assumed share" if hide_fraction is None else f"{hide_fraction:.2f} (compiled schedule)", k)
         return k
 
 
@@ -115,12 +144,17 @@ class WindowChoice:
         self.interval_steps = interval_steps
         self.persist_bytes_per_s = persist_bytes_per_s
         self.auto: AutoWindow | None = None  # measuring; None once measured (or never)
+        # Measured before the compiled schedule was read: chosen again once it is.
+        self._unread: AutoWindow | None = None
         self.prediction: PredictedWindow | None = None
+        # Per phase of the plan whose variants compile_ahead compiled last (written on its
+        # thread): the fraction of a step the phase's copies hide under.
+        self._schedule: tuple[Any, dict[int, float]] = (None, {})
 
     def first_k(self, leaf: Any) -> int:
         """K of a new engine, whose state has ``leaf`` (None: no leaves); ``"auto"`` starts
         a measurement where it can change K (not on the CPU backend)."""
-        self.auto = None
+        self.auto = self._unread = None
         if self.window != "auto":
             return self.window
         auto = AutoWindow(self.interval_steps, self.persist_bytes_per_s)
@@ -150,12 +184,54 @@ class WindowChoice:
         self.prediction = predicted
         return predicted.k
 
+    def read_schedule(self, plan: Any, phase: int, compiled: Any) -> None:
+        """On the compile-ahead thread, for each variant it compiled (``compiled``, copying
+        ``phase`` of ``plan``): while K is adapting on an accelerator, the fraction of a step
+        the phase's copies hide under, read from its compiled schedule
+        (:func:`overlap_ckpt.aot.predict.compiled_hide_fraction`; the least of the variants
+        of a phase, where a step shared by several managers has several)."""
+        if not self.adapting:
+            return
+        try:
+            fraction = hide_fraction_of(compiled)
+        except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
+            log.info("window='auto': the compiled schedule could not be read (%s); assuming a share", e)
+            return
+        read, fractions = self._schedule
+        if read is not plan:
+            fractions = {}
+        if fraction is not None:
+            fractions[phase] = min(fraction, fractions.get(phase, fraction))
+        self._schedule = (plan, fractions)
+
+    @property
+    def hide_fraction(self) -> float | None:
+        """The fraction of a step the copies of every phase of the window compiled ahead hide
+        under (the least of its phases'); None until all of them are read."""
+        plan, fractions = self._schedule
+        if plan is None or len(fractions) < plan.k:
+            return None
+        return min(fractions.values())
+
+    @property
+    def adapting(self) -> bool:
+        """Whether a later plain step may still change K (:meth:`observe`)."""
+        return self.auto is not None or self._unread is not None
+
     def observe(self, params: Any, step: int, plan: Any) -> int | None:
         """After a plain step that left ``params``: the measured K once the measurement is
-        complete, else None."""
-        if self.auto is None:
+        complete, chosen with the fraction of the step the compiled window's copies hide
+        under where ``compile_ahead`` has read it by then; where it had not, K is chosen
+        again, once, when it has (the compile runs beside the first steps). Else None."""
+        if self.auto is not None:
+            fraction = self.hide_fraction
+            k = self.auto.observe(jax.tree.leaves(params)[0], step, *bytes_per_device(plan), fraction)
+            if k is not None:
+                measured = self.auto.d2h_bytes_per_s is not None
+                self.auto, self._unread = None, (self.auto if fraction is None and measured else None)
+            return k
+        fraction = self.hide_fraction
+        if self._unread is None or fraction is None:
             return None
-        k = self.auto.observe(jax.tree.leaves(params)[0], step, *bytes_per_device(plan))
-        if k is not None:
-            self.auto = None
-        return k
+        unread, self._unread = self._unread, None
+        return unread.choose(*bytes_per_device(plan), fraction)

@@ -13,6 +13,7 @@ import pytest
 
 from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_reference, lower_with, plan_window
 from overlap_ckpt.aot.outbox import STATE
+from overlap_ckpt.aot.predict import compiled_hide_fraction, hide_fraction, schedule_fraction
 from overlap_ckpt.aot.window import compile_window
 from overlap_ckpt.core.plan import TPU_PACK_MAX_BYTES
 from overlap_ckpt.core.ticket import WindowTicket
@@ -68,6 +69,20 @@ def test_compute_is_scheduled_between_every_copy_start_and_done(compiled):
     for program in report.phases:
         serialized = [c.leaf for c in program.host_copies if not c.overlapped]
         assert not serialized, (program.name, serialized)
+
+
+@pytest.mark.parametrize("compiled", ["h100"], indirect=True)
+def test_window_auto_reads_the_schedule_the_report_reads_from_a_variant_compiled_without_dumps(compiled):
+    """``window="auto"`` reads the fraction of the step a phase's copies hide under from the
+    variant ``compile_ahead`` compiled (no dump, no output labels): it is the one the report
+    reads from the same phase compiled with the compiler's dumps (the tiny LM's K=2 phases:
+    0.32 and 1.0 of the step)."""
+    lower, plan, report = compiled
+    for phase, program in enumerate(report.phases):
+        want = hide_fraction(program.host_copies, program.matmul_flops)
+        assert want is not None, program.name
+        assert compiled_hide_fraction(lower(WindowTicket(plan, phase)).compile()) == pytest.approx(want, abs=1e-12)
+    assert schedule_fraction(report) == min(hide_fraction(p.host_copies, p.matmul_flops) for p in report.phases)
 
 
 # Where a state copy should start: with at least this share of the step's matmul flops
