@@ -57,10 +57,15 @@ def test_benchmark_run_tiny(tmp_path):
     traced = {trace.relative_to(tmp_path / "prof").parts[0] for trace in traces}
     assert traced == {f"{c}_N8" for c in DEFAULT_CONFIGS if c.startswith("overlap") and c != "overlap_idle"}, traced
     # benchmarks.trace_host reads them: each traced step (the K=3 window and the 3 after it),
-    # each followed by the freeing of the state it was given (donated: the same arrays each step)
+    # each followed by the freeing of the state it was given (donated: the same arrays each
+    # step, as many as a plain step frees). A window step's outbox is freed by whichever
+    # thread drops it last, the training thread's or the engine's: seen once, 12 arrays more
+    # after a window step (111 and 123), so a window step frees at least as many.
     rows = trace_host.analyse(trace_host.load_trace(str(tmp_path / "prof" / "overlap_k3_N8")))
     assert len(rows) == 3 + 3, rows
-    assert len({r["freed"] for r in rows}) == 1 and rows[0]["freed"] > 0, rows
+    plain = {r["freed"] for r in rows[3:]}
+    assert len(plain) == 1 and min(plain) > 0, rows
+    assert all(r["freed"] >= min(plain) for r in rows[:3]), rows
     k = {x["config"]: x.get("k") for x in report["results"]}
     assert k["overlap_k1"] == 1 and k["overlap_k3"] == 3 and k["overlap_auto"] == 1  # auto: 1 on CPU
     assert len(report["targets"]) == 6 + len(report["intervals"])  # one ETTR target per interval
