@@ -164,10 +164,10 @@ class CompileAhead:
                         if hints is not None and hints.wanted(ticket):
                             hints.prepare(lowered)  # before the compile the step's jit keeps
                         compiled = lowered.compile()
-                    own = [t.phase for t in (ticket if isinstance(ticket, tuple) else (ticket,))
-                           if isinstance(t, WindowTicket) and t.plan is picked.plan and t.capture]
-                    if own:
-                        self._read_schedule(picked.plan, own[0], compiled)
+                    own = next((t.phase for t in (ticket if isinstance(ticket, tuple) else (ticket,))
+                                if isinstance(t, WindowTicket) and t.plan is picked.plan and t.capture), None)
+                    if own is not None:
+                        self._read_schedule(picked.plan, own, compiled)
                     # XLA frees a compile's working memory in pieces that glibc keeps in its
                     # arenas: measured on the 20M LM, K=3, 1.3x the state stayed resident
                     # after the variants compiled, until the process ended.

@@ -16,11 +16,13 @@ accelerator K comes from the cost model's one rule
   when nothing was predicted). A prediction rests on a datasheet and an assumed MFU; the
   measurement corrects it.
 
-Both rules need the fraction of a step a window's copies hide under. Where ``compile_ahead``
-compiled the window's phases before the measurement ends, it is read from where their
-compiled schedule starts and ends each copy (:meth:`WindowChoice.read_schedule`; XLA:GPU
-starts a state copy late in the step, so that fraction is far below the cost model's
-constant: 0.14-0.34 of a 1B LM's step on an H200 against 0.9). Without it, the constant.
+Both rules need the fraction of a step a window's copies hide under. The measured K uses
+the one read from where the compiled schedule of the phases ``compile_ahead`` compiled
+starts and ends each copy (:meth:`WindowChoice.read_schedule`; XLA:GPU starts a state copy
+late in the step, so it is far below the cost model's constant: 0.14-0.34 of a 1B LM's step
+on an H200 against 0.9); where the phases are still compiling when the measurement ends, K
+is chosen with the constant and once more when they are read. Without ``compile_ahead``, and
+for the prediction, the constant.
 
 The machine-dependent inputs (the clock, the bandwidth probe, the device's numbers) are
 module attributes that tests replace (:func:`overlap_ckpt.testing.emulate_accelerator`) to
@@ -45,7 +47,6 @@ from ..errors import ConfigError
 log = logging.getLogger(__name__)
 
 MEASURE_STEPS = 5  # steps timed before choosing K
-
 
 
 def _compiled_hide_fraction(compiled: Any) -> float | None:
@@ -223,14 +224,13 @@ class WindowChoice:
         complete, chosen with the fraction of the step the compiled window's copies hide
         under where ``compile_ahead`` has read it by then; where it had not, K is chosen
         again, once, when it has (the compile runs beside the first steps). Else None."""
+        fraction = self.hide_fraction
         if self.auto is not None:
-            fraction = self.hide_fraction
             k = self.auto.observe(jax.tree.leaves(params)[0], step, *bytes_per_device(plan), fraction)
             if k is not None:
                 measured = self.auto.d2h_bytes_per_s is not None
                 self.auto, self._unread = None, (self.auto if fraction is None and measured else None)
             return k
-        fraction = self.hide_fraction
         if self._unread is None or fraction is None:
             return None
         unread, self._unread = self._unread, None
