@@ -33,7 +33,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from mp_compile_cache import cache_compiles_of_every_process  # noqa: E402
+
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+cache_compiles_of_every_process()
 
 from e2e.layouts import Case, batch, loss_fn, make_params  # noqa: E402
 from faults.worker import emit, loss_bits  # noqa: E402

@@ -25,7 +25,10 @@ import threading
 
 import jax
 
+from mp_compile_cache import cache_compiles_of_every_process
+
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+cache_compiles_of_every_process()
 
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402

@@ -26,7 +26,10 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 import jax  # noqa: E402
 
+from e2e.mp_compile_cache import cache_compiles_of_every_process  # noqa: E402
+
 jax.config.update("jax_cpu_collectives_implementation", "gloo")
+cache_compiles_of_every_process()
 
 from faults.worker import _loss, batch, emit, loss_bits, make_state  # noqa: E402
 from tiers.worker import EVERY, INTERVAL, KEEP, WINDOW  # noqa: E402
