@@ -89,7 +89,9 @@ def shared_compile_cache(tmp_path_factory):
     change compiles only what the change touched). The compile-only accelerator tests,
     which read the compiler's dumps, turn it off (``tests/aot/conftest.py``), as does
     ``overlap-ckpt aot``. A worker killed while it writes an entry leaves a truncated
-    file, which JAX reports with a warning and compiles again."""
+    file, which JAX reports with a warning and compiles again. The processes of a
+    multi-process job other than process 0 write their own entries only through
+    ``tests/e2e/mp_compile_cache.py`` (JAX writes from process 0 alone)."""
     from jax.experimental.compilation_cache import compilation_cache
 
     kept = os.environ.get(KEPT_COMPILE_CACHE_VAR)
