@@ -6,7 +6,7 @@ import sys
 from _distributed import check_store, free_port, shared_dir
 
 if "SNIPPET_PROCESS" not in os.environ:
-    env = dict(os.environ, SNIPPET_PORT=str(free_port(20000)), SNIPPET_DIR=shared_dir(),
+    env = dict(os.environ, SNIPPET_PORT=str(free_port()), SNIPPET_DIR=shared_dir(),
                XLA_FLAGS="--xla_force_host_platform_device_count=2")
     procs = [subprocess.Popen([sys.executable, __file__], env=dict(env, SNIPPET_PROCESS=str(i)))
              for i in range(2)]
