@@ -25,13 +25,15 @@ import itertools
 from typing import Any, Iterator
 
 from .core import backend
+from .costmodel.window import CompiledSchedule
 from .manager import window_choice
 
 
 @contextlib.contextmanager
 def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
                         d2h_bytes_per_s: float = 25e9, outbox_memory: str = "pinned_host",
-                        hardware: Any = None, hide_fraction: float | None = None) -> Iterator[None]:
+                        hardware: Any = None, hide_fraction: float | None = None,
+                        overlapped_bytes: float | None = None) -> Iterator[None]:
     """Within the block, devices follow ``platform``'s rules.
 
     ``step_time_s`` and ``d2h_bytes_per_s`` are what ``window="auto"`` measures;
@@ -39,11 +41,13 @@ def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
     :class:`overlap_ckpt.costmodel.hardware.Hardware`) the numbers of the device it predicts
     from (None: an unknown device, so ``window="auto"`` measures); ``hide_fraction`` what it
     reads from each window phase ``compile_ahead`` compiles (XLA:CPU's programs have no
-    copy to another memory to read it from; None: the cost model's constant).
+    copy to another memory to read it from; None: the cost model's constant) and
+    ``overlapped_bytes`` the bytes of its copies that phase's schedule overlapped where it
+    serialized the rest (None: it serialized none).
     """
     auto = window_choice
     saved = (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of,
-             auto.hide_fraction_of)
+             auto.schedule_of)
     ticks = itertools.count()
     backend.emulated = platform
     # Every reading advances by the time of the steps AutoWindow measures between two readings.
@@ -51,9 +55,9 @@ def emulate_accelerator(platform: str = "gpu", *, step_time_s: float = 0.1,
     auto.measure_bandwidth = lambda device: d2h_bytes_per_s
     backend.emulated_memory = outbox_memory
     auto.hardware_of = lambda device: hardware
-    auto.hide_fraction_of = lambda compiled: hide_fraction
+    auto.schedule_of = lambda compiled: CompiledSchedule(hide_fraction, overlapped_bytes)
     try:
         yield
     finally:
         (backend.emulated, backend.emulated_memory, auto.clock, auto.measure_bandwidth, auto.hardware_of,
-         auto.hide_fraction_of) = saved
+         auto.schedule_of) = saved

@@ -169,6 +169,35 @@ def test_window_auto_chooses_k_with_the_share_of_the_step_its_compiled_copies_hi
             assert mngr.engine.schedule.k == want
 
 
+def test_window_auto_moves_k_past_a_compiled_schedule_that_serialized_copies(tmp_path):
+    """Where the compiled phases overlapped only part of their copies and serialized the rest
+    (XLA:TPU keeps a few host copies in flight; given here by the emulation), the measured K
+    is one whose steps carry no more than that, although the step's time would hide the whole
+    state. Reference: the cost model run directly with and without the cap."""
+    tx = optax.adam(1e-3)
+    step_time, bandwidth, interval = 10.0, 2e6, 20
+    x = jnp.linspace(-1, 1, 4 * 64).reshape(4, 64)
+    capacity = 2 * sum(leaf.nbytes for leaf in jax.tree.leaves(_train_state(tx).params))  # of params, mu, nu
+    with emulate_accelerator("gpu", step_time_s=step_time, d2h_bytes_per_s=bandwidth, hide_fraction=1.0,
+                             overlapped_bytes=capacity):
+        with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
+            state = mngr.prepare(_train_state(tx))
+            plan = mngr.engine.plan
+
+            def k_with(cap):
+                return costmodel.choose_k(costmodel.TrainingProfile(
+                    step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
+                    grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s,
+                    overlappable_fraction=1.0, schedule_capacity_bytes=cap), interval_steps=interval)
+
+            want = k_with(capacity)
+            assert k_with(None) == 1 and want > 1, "the cap must change K, or this test proves nothing"
+            mngr.compile_ahead(_step, state, x)
+            for t in range(2 * interval + 1):
+                state = mngr.step(_step(state, x * (t + 1) / 10))
+            assert mngr.engine.schedule.k == want
+
+
 def test_window_copies_in_another_memory_kind_stay_exact():
     with emulate_accelerator("cpu", outbox_memory="unpinned_host"):
         engine, sink, refs = run_loop(optax.adam(1e-2), make_params([(40, 6), (6,)]), window=2,

@@ -78,7 +78,7 @@ def kind_rows(program: ProgramReport) -> list[str]:
 
 
 def run_notes(hint_options: dict[str, str] | None, chose_auto: bool, fraction: float | None,
-              seconds: float) -> list[str]:
+              seconds: float, capacity_bytes: float | None = None) -> list[str]:
     """The notes every report ends with: the copy schedule hint (its compiler options, when
     on), how ``window="auto"`` chose (:func:`predict.auto_choice`, when it did) and the time
     the compiles took."""
@@ -91,7 +91,10 @@ def run_notes(hint_options: dict[str, str] | None, chose_auto: bool, fraction: f
                 "window=\"auto\" and the best K chosen with copies hiding under "
                 + (f"{fraction:.0%} of a step, the share of the step's matmul flops K=1's compiled copies "
                    "transfer under" if fraction is not None else
-                   f"{predict.OVERLAPPABLE_FRACTION:.0%} of a step (no matmuls to read the schedule by)")]),
+                   f"{predict.OVERLAPPABLE_FRACTION:.0%} of a step (no matmuls to read the schedule by)")
+                + ("" if capacity_bytes is None else
+                   f", and at most {capacity_bytes / MIB:.1f} MiB of copies per step: what K=1's schedule "
+                   "overlapped, having serialized the rest")]),
             f"compiled on this machine from abstract inputs in {seconds:.0f} s"]
 
 

@@ -15,7 +15,8 @@ Assumptions (printed with every prediction):
   the 1B LM's compute on an H200), so this is the figure the default schedule gives; the
   ideal (every copy hides under ``f * T``, ``f``: overlappable fraction) is reported beside
   it, and ``window="auto"`` is predicted with the fraction the compiled copies get
-  (:func:`schedule_fraction`);
+  (:func:`schedule_fraction`) and, where the schedule serialized copies, the bytes it
+  overlapped (:func:`schedule_capacity`);
 * Orbax async blocks on a device-to-host copy of the whole state: ``stall = S / link``;
 * host replay and persist run in the background and finish before the next checkpoint
   (not counted), so ``ETTR = N*T / (N*T + stall)``.
@@ -29,11 +30,11 @@ from typing import Iterable, Sequence
 import jax
 
 from ..costmodel.model import TrainingProfile, predicted_step_time_s
-from ..costmodel.window import MFU, choose_window
+from ..costmodel.window import MFU, CompiledSchedule, choose_window
 from .hlo import HostCopy, entry_instructions, host_copies, scheduled_flops
 from .programs import ProgramReport
 from .targets import Target
-from .window import WindowReport
+from .window import MAX_SERIALIZED_BYTES, WindowReport
 
 OVERLAPPABLE_FRACTION = TrainingProfile.overlappable_fraction  # the model's default for matmul-bound steps
 BACKGROUND_BYTES_PER_S = 1e15  # "persist is not the bottleneck" (see the module docstring)
@@ -107,23 +108,50 @@ def scheduled_stall_s(program: ProgramReport, step_time_s: float, link_bytes_per
 
 
 def hide_fraction(copies: Sequence[HostCopy], matmul_flops: float) -> float | None:
-    """The fraction of a step one compiled window phase's copies can hide under: the largest
-    share of the step's matmul flops scheduled while one of its ``copies`` transfers. None
-    where the phase has no matmuls to tell by or no copy to the host (the CPU, whose outbox
-    is a copy within its one memory)."""
+    """The fraction of a step one compiled window phase's copies can hide under: the share of
+    the step's matmul flops scheduled while at least one of its ``copies`` transfers (the
+    union of their spans). Why the union: the copies share one host link, so bytes hide
+    while any of them is in flight. On GPU that is the packed state copy's own span; XLA:TPU
+    keeps a few copies in flight, each under a short stretch of the step, one after another
+    across it (the 100M LM's largest single span is 5% of its step, their union nearly all).
+    None where the phase has no matmuls to tell by or no copy to the host (the CPU, whose
+    outbox is a copy within its one memory)."""
     if not (matmul_flops and copies):
         return None
-    return max(c.flops_between for c in copies) / matmul_flops
+    covered, reach = 0.0, 0.0
+    for start, end in sorted((c.flops_before, c.flops_before + c.flops_between) for c in copies):
+        covered += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return covered / matmul_flops
 
 
-def compiled_hide_fraction(compiled: jax.stages.Compiled) -> float | None:
-    """:func:`hide_fraction` of a phase compiled for the device it runs on, read from its
+def overlapped_bytes(copies: Sequence[HostCopy]) -> float | None:
+    """The bytes of ``copies`` (one compiled window phase's) that the schedule overlapped,
+    where it serialized more than :data:`~overlap_ckpt.aot.window.MAX_SERIALIZED_BYTES` of
+    them: what a step's compiled schedule will hide, whatever the time says
+    (:attr:`overlap_ckpt.costmodel.model.TrainingProfile.schedule_capacity_bytes`). None
+    where it serialized no more than that: the few small copies a phase may issue back to
+    back stall for microseconds, not worth the gradient traffic of a longer window."""
+    serialized = sum(c.nbytes for c in copies if not c.overlapped)
+    if serialized <= MAX_SERIALIZED_BYTES:
+        return None
+    return float(sum(c.nbytes for c in copies if c.overlapped))
+
+
+def phase_schedule(copies: Sequence[HostCopy], matmul_flops: float) -> CompiledSchedule:
+    """What ``window="auto"`` reads from one compiled phase: :func:`hide_fraction` and
+    :func:`overlapped_bytes`."""
+    return CompiledSchedule(hide_fraction(copies, matmul_flops), overlapped_bytes(copies))
+
+
+def compiled_schedule(compiled: jax.stages.Compiled) -> CompiledSchedule:
+    """:func:`phase_schedule` of a phase compiled for the device it runs on, read from its
     scheduled program alone (``window="auto"`` reads it from the variants ``compile_ahead``
     compiled, which dumped nothing: :func:`overlap_ckpt.aot.programs.compile_program` is
     the tool's)."""
     text = compiled.as_text()
     flops = scheduled_flops(text)
-    return hide_fraction(host_copies(entry_instructions(text), flops), sum(flops))
+    return phase_schedule(host_copies(entry_instructions(text), flops), sum(flops))
 
 
 def schedule_fraction(report: WindowReport) -> float | None:
@@ -133,6 +161,13 @@ def schedule_fraction(report: WindowReport) -> float | None:
     if not fractions or None in fractions:
         return None
     return min(fractions)
+
+
+def schedule_capacity(report: WindowReport) -> float | None:
+    """The least of the compiled phases' :func:`overlapped_bytes` (None: no phase
+    serialized more than a small copy's worth)."""
+    capacities = [b for b in (overlapped_bytes(p.host_copies) for p in report.phases) if b is not None]
+    return min(capacities, default=None)
 
 
 def window_stall_s(report: WindowReport, cost: StepCost, f: float = OVERLAPPABLE_FRACTION,
@@ -160,15 +195,17 @@ def ettr(step_time_s: float, stall_s: float, interval_steps: int) -> float:
 
 
 def auto_k(report: WindowReport, cost: StepCost, interval_steps: int | None,
-           f: float = OVERLAPPABLE_FRACTION) -> int:
+           f: float = OVERLAPPABLE_FRACTION, capacity_bytes: float | None = None) -> int:
     """What ``window="auto"`` chooses on the target: the same rule as on a device
-    (:func:`overlap_ckpt.costmodel.window.choose_window`), with the predicted step time and
+    (:func:`overlap_ckpt.costmodel.window.choose_window`), with the predicted step time,
     ``f``, the fraction of a step a copy hides under (:func:`schedule_fraction` of a compiled
-    window where there is one). ``interval_steps=None``: the K of least stall per checkpoint
-    (the report's "best")."""
+    window where there is one) and ``capacity_bytes``, what its schedule overlapped where it
+    serialized the rest (:func:`schedule_capacity`). ``interval_steps=None``: the K of least
+    stall per checkpoint (the report's "best")."""
     return choose_window(cost.step_time_s, report.target.host_link_bytes_per_s,
                          state_bytes_per_device(report), grad_bytes_per_device(report),
-                         BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f)
+                         BACKGROUND_BYTES_PER_S, interval_steps, overlappable_fraction=f,
+                         schedule_capacity_bytes=capacity_bytes)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -178,6 +215,7 @@ class AutoChoice:
     by_interval: dict[int, int]  # checkpoint interval N -> K
     best: int  # the K of least stall per checkpoint
     fraction: float | None  # of a step K=1's compiled copies hide under (None: the model's constant was used)
+    capacity_bytes: float | None = None  # what K=1's schedule overlapped where it serialized the rest
 
     def labels(self, first: str = "1") -> dict[int, str]:
         """K -> why it is compiled: K=1 (``first``), auto at each interval, the best."""
@@ -192,10 +230,13 @@ def auto_choice(k1: WindowReport, cost: StepCost, intervals: Iterable[int]) -> A
     the fraction of a step the compiled K=1 window's copies hide under
     (:func:`schedule_fraction`; :data:`OVERLAPPABLE_FRACTION` where its programs have no
     matmuls to tell by). The one choice ``overlap-ckpt aot`` and ``CheckpointManager.aot_report``
-    both report."""
-    fraction = schedule_fraction(k1)
+    both report. Where K=1's schedule serialized copies, a step hides at most the bytes it
+    overlapped (:func:`schedule_capacity`), so the choice moves to a K whose steps carry no
+    more than that: XLA:TPU serializes what outnumbers the copies it keeps in flight."""
+    fraction, capacity = schedule_fraction(k1), schedule_capacity(k1)
     f = OVERLAPPABLE_FRACTION if fraction is None else fraction
-    return AutoChoice({n: auto_k(k1, cost, n, f) for n in intervals}, auto_k(k1, cost, None, f), fraction)
+    return AutoChoice({n: auto_k(k1, cost, n, f, capacity) for n in intervals}, auto_k(k1, cost, None, f, capacity),
+                      fraction, capacity)
 
 
 def assumptions(target: Target, cost: StepCost, mfu: float = MFU, f: float = OVERLAPPABLE_FRACTION) -> list[str]:

@@ -267,7 +267,7 @@ def _notes(user: UserStep, state: Any, door_args: dict, placement: Placement, pl
             f"flops per device: {plain.matmul_flops:.3g} in the scheduled program's matmuls (the step time's flops "
             f"where the compiler gives none, or undercounts them as XLA:GPU does), {analysis_note(plain)}",
             *run_notes(hints.compiler_options() if hints else None, auto is not None,
-                       auto.fraction if auto else None, seconds)]
+                       auto.fraction if auto else None, seconds, auto.capacity_bytes if auto else None)]
 
 
 def _name(step: Any) -> str:

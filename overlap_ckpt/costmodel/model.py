@@ -126,6 +126,13 @@ class TrainingProfile:
         replay_bytes_per_s: host throughput of one optimizer replay step, in bytes of
             state updated per second; ``None`` means replay time is not modelled
             (counted as 0). Only affects the background time of ``"overlap"``.
+        schedule_capacity_bytes: the bytes of its host copies a compiled window step
+            overlapped, where its schedule serialized the rest (issued them with nothing
+            computing while they transfer); ``None`` where no schedule was read or it
+            serialized nothing that counts. Why a cap beside ``f``: XLA:TPU keeps only a
+            few host copies in flight, so a step with more copies than its compute covers
+            a few at a time serializes bytes a time budget says would hide (the 100M LM at
+            2 sequences per v5e chip: 38 copies of 2.2 MiB at K=1, none at K=2).
     """
 
     step_time_s: float
@@ -135,6 +142,7 @@ class TrainingProfile:
     persist_bytes_per_s: float
     overlappable_fraction: float = 0.9
     replay_bytes_per_s: float | None = None
+    schedule_capacity_bytes: float | None = None
 
     def __post_init__(self) -> None:
         check_number("step_time_s", self.step_time_s, positive=True)
@@ -150,6 +158,8 @@ class TrainingProfile:
                 f"[0, 1], got {f!r}")
         if self.replay_bytes_per_s is not None:
             check_number("replay_bytes_per_s", self.replay_bytes_per_s, positive=True)
+        if self.schedule_capacity_bytes is not None:
+            check_number("schedule_capacity_bytes", self.schedule_capacity_bytes, nonnegative=True)
 
     @property
     def overlap_s(self) -> float:
@@ -158,8 +168,12 @@ class TrainingProfile:
 
     @property
     def transfer_budget_bytes(self) -> float:
-        """Bytes one step can hide: ``B = f * T * bw``."""
-        return self.overlap_s * self.d2h_bytes_per_s
+        """Bytes one step can hide: ``B = f * T * bw``, at most what a compiled step's
+        schedule overlapped where it serialized the rest (``schedule_capacity_bytes``)."""
+        budget = self.overlap_s * self.d2h_bytes_per_s
+        if self.schedule_capacity_bytes is None:
+            return budget
+        return min(budget, self.schedule_capacity_bytes)
 
     @property
     def full_copy_s(self) -> float:

@@ -20,20 +20,46 @@ log = logging.getLogger(__name__)
 MFU = 0.5  # assumed model-FLOPs utilisation of a predicted step (as overlap-ckpt aot assumes)
 
 
+@dataclasses.dataclass(frozen=True)
+class CompiledSchedule:
+    """What the window rule reads from where a compiled window step schedules its host
+    copies (:func:`overlap_ckpt.aot.predict.compiled_schedule`).
+
+    ``hide_fraction``: the share of the step one copy transfers under, at best (None: no
+    matmuls or no host copy to tell by); ``overlapped_bytes``: the bytes of its copies the
+    schedule overlapped, where it serialized more than a small copy's worth (None: it
+    serialized nothing that counts). Both bound the bytes a step hides: the first by time,
+    the second by what the compiler would overlap at all."""
+
+    hide_fraction: float | None = None
+    overlapped_bytes: float | None = None
+
+    def least(self, other: CompiledSchedule) -> CompiledSchedule:
+        """The tighter of two phases' readings, each field on its own (a window hides no
+        more than its worst phase allows)."""
+        def lesser(a: float | None, b: float | None) -> float | None:
+            return b if a is None else a if b is None else min(a, b)
+        return CompiledSchedule(lesser(self.hide_fraction, other.hide_fraction),
+                                lesser(self.overlapped_bytes, other.overlapped_bytes))
+
+
 def choose_window(step_time_s: float, d2h_bytes_per_s: float, state_bytes: float, grad_bytes: float,
                   persist_bytes_per_s: float, interval_steps: int | None,
-                  overlappable_fraction: float = TrainingProfile.overlappable_fraction) -> int:
+                  overlappable_fraction: float = TrainingProfile.overlappable_fraction,
+                  schedule_capacity_bytes: float | None = None) -> int:
     """K for a step of ``step_time_s`` seconds: the one rule behind ``window="auto"`` and
     ``overlap-ckpt aot``, whether the step time was measured on the device
     (:class:`overlap_ckpt.manager.window_choice.AutoWindow`) or predicted, from the step's
     flops (:func:`predict_window`) or from the program compiled for a target
     (:mod:`overlap_ckpt.aot.predict`, which passes the fraction of the step its compiled
-    copies hide under). ``interval_steps``: the steps between checkpoints (K maximises the
-    goodput at that interval); None for the least stall of one checkpoint alone."""
+    copies hide under, and the bytes they overlapped where it serialized the rest:
+    ``schedule_capacity_bytes``). ``interval_steps``: the steps between checkpoints (K
+    maximises the goodput at that interval); None for the least stall of one checkpoint alone."""
     profile = TrainingProfile(step_time_s=step_time_s, d2h_bytes_per_s=d2h_bytes_per_s,
-                                        state_bytes=state_bytes, grad_bytes=grad_bytes,
-                                        persist_bytes_per_s=persist_bytes_per_s,
-                                        overlappable_fraction=overlappable_fraction)
+                              state_bytes=state_bytes, grad_bytes=grad_bytes,
+                              persist_bytes_per_s=persist_bytes_per_s,
+                              overlappable_fraction=overlappable_fraction,
+                              schedule_capacity_bytes=schedule_capacity_bytes)
     return choose_k(profile, interval_steps=interval_steps)
 
 

@@ -20,9 +20,10 @@ Both rules need the fraction of a step a window's copies hide under. The measure
 the one read from where the compiled schedule of the phases ``compile_ahead`` compiled
 starts and ends each copy (:meth:`WindowChoice.read_schedule`; XLA:GPU starts a state copy
 late in the step, so it is far below the cost model's constant: 0.14-0.34 of a 1B LM's step
-on an H200 against 0.9); where the phases are still compiling when the measurement ends, K
-is chosen with the constant and once more when they are read. Without ``compile_ahead``, and
-for the prediction, the constant.
+on an H200 against 0.9), and, where that schedule serialized copies (XLA:TPU keeps only a
+few in flight), the bytes it overlapped as a cap on what a step hides; where the phases are
+still compiling when the measurement ends, K is chosen with the constant and once more when
+they are read. Without ``compile_ahead``, and for the prediction, the constant.
 
 The machine-dependent inputs (the clock, the bandwidth probe, the device's numbers) are
 module attributes that tests replace (:func:`overlap_ckpt.testing.emulate_accelerator`) to
@@ -31,6 +32,7 @@ run both paths on the CPU.
 
 from __future__ import annotations
 
+import functools
 import logging
 import time
 from typing import Any, Callable
@@ -41,7 +43,7 @@ from ..core import backend
 from ..core.window_context import window_ticket
 from ..costmodel.hardware import hardware_of as _known_hardware
 from ..costmodel.hardware import measure_d2h_bandwidth
-from ..costmodel.window import PredictedWindow, choose_window, predict_window
+from ..costmodel.window import CompiledSchedule, PredictedWindow, choose_window, predict_window
 from ..errors import ConfigError
 
 log = logging.getLogger(__name__)
@@ -49,16 +51,16 @@ log = logging.getLogger(__name__)
 MEASURE_STEPS = 5  # steps timed before choosing K
 
 
-def _compiled_hide_fraction(compiled: Any) -> float | None:
-    from ..aot.predict import compiled_hide_fraction  # the HLO reader, imported only where it is used
-    return compiled_hide_fraction(compiled)
+def _compiled_schedule(compiled: Any) -> CompiledSchedule:
+    from ..aot.predict import compiled_schedule  # the HLO reader, imported only where it is used
+    return compiled_schedule(compiled)
 
 
 # Replaced by overlap_ckpt.testing to exercise the accelerator paths on the CPU backend.
 measure_bandwidth: Callable[[Any], float] = measure_d2h_bandwidth
 clock: Callable[[], float] = time.perf_counter
 hardware_of: Callable[[Any], Any] = _known_hardware  # -> costmodel.hardware.Hardware | None
-hide_fraction_of: Callable[[Any], float | None] = _compiled_hide_fraction  # of a compiled window phase
+schedule_of: Callable[[Any], CompiledSchedule] = _compiled_schedule  # of a compiled window phase
 
 
 class AutoWindow:
@@ -91,10 +93,10 @@ class AutoWindow:
         self._start = None
 
     def observe(self, leaf: jax.Array, step: int, state_bytes: int, grad_bytes: int,
-                hide_fraction: float | None = None) -> int | None:
+                schedule: CompiledSchedule | None = None) -> int | None:
         """Call after a step outside a window with one leaf of the new state; returns K when
-        the measurement is complete, else None (and None forever after). ``hide_fraction``:
-        of a step the window's compiled copies hide under (None: the cost model's constant)."""
+        the measurement is complete, else None (and None forever after). ``schedule``: what
+        the window's compiled phases say of their copies (None: the cost model's constant)."""
         if self.done:
             return None
         if self._start is None:
@@ -112,20 +114,25 @@ class AutoWindow:
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.warning("window='auto' could not measure the device-to-host bandwidth (%s); keeping K=1", e)
             return 1
-        return self.choose(state_bytes, grad_bytes, hide_fraction)
+        return self.choose(state_bytes, grad_bytes, schedule)
 
-    def choose(self, state_bytes: float, grad_bytes: float, hide_fraction: float | None = None) -> int:
-        """K for the measured step time and bandwidth; ``hide_fraction``: of a step the
-        window's compiled copies hide under (None: the cost model's constant)."""
-        fraction = {} if hide_fraction is None else {"overlappable_fraction": hide_fraction}
+    def choose(self, state_bytes: float, grad_bytes: float, schedule: CompiledSchedule | None = None) -> int:
+        """K for the measured step time and bandwidth; ``schedule``: what the window's
+        compiled phases say of their copies (None: the cost model's constant)."""
+        schedule = schedule or CompiledSchedule()
+        fraction = {} if schedule.hide_fraction is None else {"overlappable_fraction": schedule.hide_fraction}
         try:
             k = choose_window(self.step_time_s, self.d2h_bytes_per_s, state_bytes, grad_bytes,
-                              self.persist_bytes_per_s, self.interval_steps, **fraction)
+                              self.persist_bytes_per_s, self.interval_steps, **fraction,
+                              schedule_capacity_bytes=schedule.overlapped_bytes)
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.warning("window='auto' could not choose K (%s); keeping K=1", e)
             return 1
-        log.info("window='auto': step %.4fs, copies hide under %s of it, K=%d", self.step_time_s,
-                 "an assumed share" if hide_fraction is None else f"{hide_fraction:.2f} (compiled schedule)", k)
+        log.info("window='auto': step %.4fs, copies hide under %s of it%s, K=%d", self.step_time_s,
+                 "an assumed share" if schedule.hide_fraction is None
+                 else f"{schedule.hide_fraction:.2f} (compiled schedule)",
+                 "" if schedule.overlapped_bytes is None
+                 else f", at most {schedule.overlapped_bytes / 2**20:.1f} MiB (the rest serialized)", k)
         return k
 
 
@@ -149,8 +156,8 @@ class WindowChoice:
         self._unread: AutoWindow | None = None
         self.prediction: PredictedWindow | None = None
         # Per phase of the plan whose variants compile_ahead compiled last (written on its
-        # thread): the fraction of a step the phase's copies hide under.
-        self._schedule: tuple[Any, dict[int, float]] = (None, {})
+        # thread): what its compiled schedule says of the phase's copies.
+        self._schedule: tuple[Any, dict[int, CompiledSchedule]] = (None, {})
 
     def first_k(self, leaf: Any) -> int:
         """K of a new engine, whose state has ``leaf`` (None: no leaves); ``"auto"`` starts
@@ -187,32 +194,32 @@ class WindowChoice:
 
     def read_schedule(self, plan: Any, phase: int, compiled: Any) -> None:
         """On the compile-ahead thread, for each variant it compiled (``compiled``, copying
-        ``phase`` of ``plan``): while K is adapting on an accelerator, the fraction of a step
-        the phase's copies hide under, read from its compiled schedule
-        (:func:`overlap_ckpt.aot.predict.compiled_hide_fraction`; the least of the variants
-        of a phase, where a step shared by several managers has several)."""
+        ``phase`` of ``plan``): while K is adapting on an accelerator, what its compiled
+        schedule says of the phase's copies (:func:`overlap_ckpt.aot.predict.compiled_schedule`;
+        the tighter of the variants of a phase, where a step shared by several managers has
+        several)."""
         if not self.adapting:
             return
         try:
-            fraction = hide_fraction_of(compiled)
+            reading = schedule_of(compiled)
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.info("window='auto': the compiled schedule could not be read (%s); assuming a share", e)
             return
-        read, fractions = self._schedule
+        read, readings = self._schedule
         if read is not plan:
-            fractions = {}
-        if fraction is not None:
-            fractions[phase] = min(fraction, fractions.get(phase, fraction))
-        self._schedule = (plan, fractions)
+            readings = {}
+        if reading.hide_fraction is not None:
+            readings[phase] = reading.least(readings.get(phase, reading))
+        self._schedule = (plan, readings)
 
     @property
-    def hide_fraction(self) -> float | None:
-        """The fraction of a step the copies of every phase of the window compiled ahead hide
-        under (the least of its phases'); None until all of them are read."""
-        plan, fractions = self._schedule
-        if plan is None or len(fractions) < plan.k:
+    def schedule(self) -> CompiledSchedule | None:
+        """What the compiled schedules of every phase of the window compiled ahead say of
+        their copies (the tightest of its phases'); None until all of them are read."""
+        plan, readings = self._schedule
+        if plan is None or len(readings) < plan.k:
             return None
-        return min(fractions.values())
+        return functools.reduce(CompiledSchedule.least, readings.values())
 
     @property
     def adapting(self) -> bool:
@@ -224,14 +231,14 @@ class WindowChoice:
         complete, chosen with the fraction of the step the compiled window's copies hide
         under where ``compile_ahead`` has read it by then; where it had not, K is chosen
         again, once, when it has (the compile runs beside the first steps). Else None."""
-        fraction = self.hide_fraction
+        schedule = self.schedule
         if self.auto is not None:
-            k = self.auto.observe(jax.tree.leaves(params)[0], step, *bytes_per_device(plan), fraction)
+            k = self.auto.observe(jax.tree.leaves(params)[0], step, *bytes_per_device(plan), schedule)
             if k is not None:
                 measured = self.auto.d2h_bytes_per_s is not None
-                self.auto, self._unread = None, (self.auto if fraction is None and measured else None)
+                self.auto, self._unread = None, (self.auto if schedule is None and measured else None)
             return k
-        if self._unread is None or fraction is None:
+        if self._unread is None or schedule is None:
             return None
         unread, self._unread = self._unread, None
-        return unread.choose(*bytes_per_device(plan), fraction)
+        return unread.choose(*bytes_per_device(plan), schedule)

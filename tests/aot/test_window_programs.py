@@ -13,7 +13,7 @@ import pytest
 
 from overlap_ckpt.tools.aot.lm_step import lm_setup, lower_reference, lower_with, plan_window
 from overlap_ckpt.aot.outbox import STATE
-from overlap_ckpt.aot.predict import compiled_hide_fraction, hide_fraction, schedule_fraction
+from overlap_ckpt.aot.predict import compiled_schedule, hide_fraction, overlapped_bytes, schedule_fraction
 from overlap_ckpt.aot.window import compile_window
 from overlap_ckpt.core.plan import TPU_PACK_MAX_BYTES
 from overlap_ckpt.core.ticket import WindowTicket
@@ -81,7 +81,9 @@ def test_window_auto_reads_the_schedule_the_report_reads_from_a_variant_compiled
     for phase, program in enumerate(report.phases):
         want = hide_fraction(program.host_copies, program.matmul_flops)
         assert want is not None, program.name
-        assert compiled_hide_fraction(lower(WindowTicket(plan, phase)).compile()) == pytest.approx(want, abs=1e-12)
+        read = compiled_schedule(lower(WindowTicket(plan, phase)).compile())
+        assert read.hide_fraction == pytest.approx(want, abs=1e-12)
+        assert read.overlapped_bytes == overlapped_bytes(program.host_copies)
     assert schedule_fraction(report) == min(hide_fraction(p.host_copies, p.matmul_flops) for p in report.phases)
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 
 import pytest
@@ -118,10 +119,41 @@ def test_overlap_stall_is_sum_of_per_step_excess_and_bounded(p, k):
 
 
 @FAST
+@given(profiles, ks, st.floats(0.0, 1.0))
+def test_a_schedule_that_serialized_copies_caps_the_bytes_a_step_hides(p, k, share):
+    """Where a compiled step overlapped only ``C`` bytes of its copies and serialized the
+    rest, a window step hides at most ``C`` whatever its time says; every byte beyond
+    transfers with the step waiting. Reference: each step's bytes from the slices the
+    engine cuts, against the lesser of the two budgets."""
+    capacity = share * p.state_bytes
+    capped = dataclasses.replace(p, schedule_capacity_bytes=capacity)
+    budget = min(p.overlappable_fraction * p.step_time_s * p.d2h_bytes_per_s, capacity)
+    shipped = shipped_by_slices(p.state_bytes, p.grad_bytes, k)
+    want = math.fsum(max(0.0, b - budget) for b in shipped) / p.d2h_bytes_per_s
+    tol = 1e-9 * math.fsum(shipped) / p.d2h_bytes_per_s
+    assert predict_stall_s(capped, "overlap", k) == pytest.approx(want, rel=1e-9, abs=tol)
+    assert predict_stall_s(capped, "overlap", k) >= predict_stall_s(p, "overlap", k) - tol
+
+
+def test_a_k1_step_whose_schedule_serialized_copies_moves_auto_to_a_k_whose_steps_fit():
+    """The 100M LM at 2 sequences per v5e chip, in round figures: a step's time would hide
+    the whole state, but XLA:TPU overlapped only 72% of K=1's copies and serialized the
+    rest. K=2's steps each carry 4/7 of the state (G = S/3), which fits: no stall."""
+    s, g = 300e6, 100e6
+    time_hides_all = make(s, g, budget=2 * s)
+    assert choose_k(time_hides_all) == 1 and predict_stall_s(time_hides_all, "overlap", 1) == 0
+    serialized = dataclasses.replace(time_hides_all, schedule_capacity_bytes=0.72 * s)
+    assert predict_stall_s(serialized, "overlap", 1) == pytest.approx(0.28 * s)  # bw = 1 byte/s
+    assert window_transfer_bytes(s, g, 2)[0] == pytest.approx(4 / 7 * s)
+    assert predict_stall_s(serialized, "overlap", 2) == 0
+    assert choose_k(serialized) == 2 and choose_k(serialized, interval_steps=50) == 2
+    with pytest.raises(ValueError, match="schedule_capacity_bytes"):
+        dataclasses.replace(time_hides_all, schedule_capacity_bytes=-1.0)
+
+
+@FAST
 @given(profiles, ks, st.floats(1.0, 100.0))
 def test_stall_monotone_in_resources_and_sizes(p, k, factor):
-    import dataclasses
-
     base = predict_stall_s(p, "overlap", k)
     tol = 1e-9 * (p.state_bytes + p.grad_bytes * k) / p.d2h_bytes_per_s
     faster = dataclasses.replace(p, d2h_bytes_per_s=p.d2h_bytes_per_s * factor)
@@ -137,8 +169,6 @@ def test_stall_monotone_in_resources_and_sizes(p, k, factor):
 @FAST
 @given(profiles, ks)
 def test_limits(p, k):
-    import dataclasses
-
     # Nothing overlappable: every byte of the window stalls.
     none = dataclasses.replace(p, overlappable_fraction=0.0)
     assert predict_stall_s(none, "overlap", k) == pytest.approx(

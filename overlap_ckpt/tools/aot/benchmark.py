@@ -31,8 +31,8 @@ class AotRun:
     windows: dict[int, WindowReport] = dataclasses.field(default_factory=dict)
     # K -> its phases' executables, kept only where they will run (a gpu target, measured)
     phase_programs: dict[int, tuple[jax.stages.Compiled, ...]] = dataclasses.field(default_factory=dict)
-    # The fraction of a step K=1's compiled copies hide under (predict.schedule_fraction)
-    hide_fraction: float | None = None
+    # What window="auto" read from K=1's compiled schedule (predict.auto_choice)
+    choice: predict.AutoChoice | None = None
     # The copy schedule hint the step is jitted with (--copy-hints), else None
     hints: CopyScheduleHints | None = None
 
@@ -53,8 +53,9 @@ class AotRun:
                 f"moments (mixed precision), batch {setup.batch_size} x {setup.config.seq_len} tokens, FSDP over "
                 f"{len(target.devices)} device(s)", flops,
                 *run_notes(self.hints.compiler_options() if self.hints else None,
-                           any("auto" in why for why in self.labels.values()), self.hide_fraction,
-                           time.perf_counter() - self.started)]
+                           any("auto" in why for why in self.labels.values()),
+                           self.choice.fraction if self.choice else None, time.perf_counter() - self.started,
+                           self.choice.capacity_bytes if self.choice else None)]
 
     def markdown(self, model: str, intervals: list[int]) -> str:
         return markdown(model, self.windows, self.labels, self.cost, intervals, self.notes())
@@ -122,6 +123,5 @@ def _start(target: Target, model: str, ks, intervals, batch_per_device: int, log
 def _choose_from_schedule(run: AotRun, intervals) -> None:
     """Add the K that ``window="auto"`` picks at each interval and the best K, from the
     schedule K=1 got (:func:`overlap_ckpt.aot.predict.auto_choice`)."""
-    choice = predict.auto_choice(run.windows[1], run.cost, intervals)
-    run.hide_fraction = choice.fraction
-    run.labels = choice.labels(run.labels[1])
+    run.choice = predict.auto_choice(run.windows[1], run.cost, intervals)
+    run.labels = run.choice.labels(run.labels[1])
