@@ -44,8 +44,20 @@ class MLP(nn.Module):
         return nn.Dense(OUT, name="out")(nn.relu(nn.Dense(self.hidden, name="hidden")(x)))
 
 
-def linen_state(state_class=oc.TrainState, hidden: int = HIDDEN, inputs: int = IN):
-    model = MLP(hidden)
+class DeepMLP(nn.Module):
+    """Wide layers and little compute around them: many host copies over 1 MiB per step."""
+    depth: int
+    width: int
+
+    @nn.compact
+    def __call__(self, x):
+        for i in range(self.depth):
+            x = nn.relu(nn.Dense(self.width, name=f"layer{i}")(x))
+        return nn.Dense(OUT, name="out")(x)
+
+
+def linen_state(state_class=oc.TrainState, hidden: int = HIDDEN, inputs: int = IN, model: nn.Module | None = None):
+    model = MLP(hidden) if model is None else model
     params = model.init(jax.random.key(0), jnp.ones((1, inputs)))["params"]
     state = state_class.create(apply_fn=model.apply, params=params, tx=optax.adamw(1e-3))
     state = state.replace(step=jnp.asarray(0, jnp.int32))
@@ -53,9 +65,9 @@ def linen_state(state_class=oc.TrainState, hidden: int = HIDDEN, inputs: int = I
     return jax.device_put(state, shardings), shardings
 
 
-def batch(inputs: int = IN):
+def batch(inputs: int = IN, size: int = BATCH):
     rows = NamedSharding(mesh(), PartitionSpec("data"))
-    return jax.device_put(jnp.ones((BATCH, inputs)), rows), jax.device_put(jnp.zeros((BATCH, OUT)), rows), rows
+    return jax.device_put(jnp.ones((size, inputs)), rows), jax.device_put(jnp.zeros((size, OUT)), rows), rows
 
 
 def train_step(state, x, y):
@@ -96,6 +108,15 @@ def linen_keeping_a_leaf_in_windows() -> UserStep:
         return train_step(state, x, y), kept
 
     return UserStep(jax.jit(step, in_shardings=(shardings, rows, rows), donate_argnums=0), (state, x, y))
+
+
+def linen_deep(depth: int = 4, width: int = 1280, size: int = 2048) -> UserStep:
+    """Four 1280-wide layers, FSDP: 1.6 MiB of each kernel and each of its two moments per
+    device of a v5e:2x2, 13 host copies in a K=1 window, more than XLA:TPU keeps in flight
+    over a step this short (7 of them serialized)."""
+    state, shardings = linen_state(inputs=width, model=DeepMLP(depth, width))
+    x, y, rows = batch(width, size)
+    return UserStep(jitted(shardings, rows), (state, x, y))
 
 
 class NnxMLP(nnx.Module):
