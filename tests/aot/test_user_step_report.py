@@ -12,7 +12,6 @@ the ``h100`` tests (names containing h100) run in CI's job with the CUDA plugin,
 ``v5e`` ones where libtpu is installed.
 """
 
-import dataclasses
 import os
 
 import jax
@@ -28,6 +27,8 @@ from overlap_ckpt.aot import (AotCheckError, PlacementError, StepError, Target, 
                               report_step)
 from overlap_ckpt.aot.placement import Placement
 from overlap_ckpt.aot.programs import compile_program
+from overlap_ckpt.aot.user_step import lower_in_window, plan_state
+from overlap_ckpt.aot.window import compiled_phases
 from overlap_ckpt.aot.outbox import GRADIENTS, STATE
 from overlap_ckpt.costmodel import window_transfer_bytes
 from overlap_ckpt.costmodel.window import choose_window
@@ -170,32 +171,41 @@ def test_v5e_auto_k_follows_the_managers_interval(tmp_path):
 @pytest.mark.slow
 def test_v5e_auto_moves_past_a_k1_window_whose_schedule_serializes_copies():
     """XLA:TPU keeps a few host copies in flight, so a wide MLP with a short step gets some of
-    K=1's copies over 1 MiB issued with nothing computing (the check names them). "auto" reads
-    the bytes K=1's schedule did overlap and moves to a K whose steps carry no more, even
-    where the step's time would hide them all (a step measured long enough to copy the state
-    twice under the share some copy is in flight: the cost model's rule then keeps K=1
-    without the cap). References: the copies read from the compiled K=1 program, the cost
-    model's rule called directly. That the K chosen then compiles with nothing serialized is
-    the 100M LM's measurement (benchmarks/results/aot_v5e_2x2_100m_batch2.md), not compiled
-    here: it would double the test's time."""
+    K=1's copies over 1 MiB issued with nothing computing. "auto" reads the bytes K=1's
+    schedule did overlap and moves to a K whose steps carry no more, even where the step's
+    time would hide them all (a step measured long enough to copy the state twice under the
+    share some copy is in flight: the cost model's rule then keeps K=1 without the cap).
+    References: the copies read from the compiled K=1 phase, the cost model's rule called
+    directly. Only that phase is compiled (the check naming a serialized copy is
+    test_check.py's); that the K chosen then compiles with nothing serialized is the 100M
+    LM's measurement (benchmarks/results/aot_v5e_2x2_100m_batch2.md)."""
     target = target_or_skip(TPU_TARGET)
-    report = report_step(user_steps.linen_deep(), target, ks=[1])
-    k1 = report.windows[1]
-    (phase,) = k1.phases
-    serialized = [c.leaf for c in phase.host_copies if not c.overlapped and c.nbytes > 2**20]
-    assert serialized and all(any(leaf in v and "serialized" in v for v in report.violations[1])
-                              for leaf in serialized)
+    user = user_steps.linen_deep()
+    placement = Placement(target)
+    args, kwargs = placement.arguments(user.args, user.kwargs)
+    in_window = lower_in_window(placement.step(user.step), *args, **kwargs)
+
+    def lower(ticket):
+        with placement.lowering():
+            return in_window(ticket)
+
+    plan = plan_state(args[0], 1, rehearse=False)
+    ((phase, _),) = compiled_phases(lower, plan)
+    k1 = aot.WindowReport(target, plan, None, (phase,), None)
+    serialized = [c for c in phase.host_copies if not c.overlapped and c.nbytes > 2**20]
+    assert serialized, [(c.leaf, c.nbytes, c.overlapped) for c in phase.host_copies]
     overlapped = sum(c.nbytes for c in phase.host_copies if c.overlapped)
     devices = len(target.devices)
-    state, grads = k1.plan.state_bytes / devices, k1.plan.grad_bytes / devices
+    state, grads = plan.state_bytes / devices, plan.grad_bytes / devices
     fraction = predict.schedule_fraction(k1)
-    long_step = dataclasses.replace(report.cost, step_time_s=2 * state / (fraction * target.host_link_bytes_per_s))
+    long_step = predict.StepCost(phase.matmul_flops, None, 2 * state / (fraction * target.host_link_bytes_per_s),
+                                 "a step measured that long")
     choice = predict.auto_choice(k1, long_step, [INTERVAL])
     assert choice.capacity_bytes == overlapped and choice.fraction == fraction
     rule = (long_step.step_time_s, target.host_link_bytes_per_s, state, grads, predict.BACKGROUND_BYTES_PER_S,
             INTERVAL)
-    assert choose_window(*rule, overlappable_fraction=choice.fraction) == 1
-    k = choose_window(*rule, overlappable_fraction=choice.fraction, schedule_capacity_bytes=overlapped)
+    assert choose_window(*rule, overlappable_fraction=fraction) == 1
+    k = choose_window(*rule, overlappable_fraction=fraction, schedule_capacity_bytes=overlapped)
     assert k > 1 and choice.by_interval == {INTERVAL: k}
     assert window_transfer_bytes(state, grads, k)[0] <= overlapped
 
