@@ -142,6 +142,24 @@ def test_window_auto_measures_on_a_device_it_has_no_numbers_for(tmp_path):
             assert mngr.window_prediction is None and mngr.engine.schedule.k == 1  # until measured
 
 
+def _cost_model_k(mngr, step_time: float, bandwidth: float, interval: int, **profile) -> int:
+    """The reference: the cost model's rule run directly on the manager's plan (``profile``:
+    the fraction and cap the emulation gives the compiled schedule)."""
+    plan = mngr.engine.plan
+    return costmodel.choose_k(costmodel.TrainingProfile(
+        step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
+        grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s, **profile),
+        interval_steps=interval)
+
+
+def _run_auto_window(mngr, state, x, interval: int) -> int:
+    """Two intervals of steps after compile_ahead: the K auto settles on."""
+    mngr.compile_ahead(_step, state, x)
+    for t in range(2 * interval + 1):
+        state = mngr.step(_step(state, x * (t + 1) / 10))
+    return mngr.engine.schedule.k
+
+
 def test_window_auto_chooses_k_with_the_share_of_the_step_its_compiled_copies_hide_under(tmp_path):
     """With compile_ahead, the measured K is chosen with the fraction of the step read from the
     compiled window phases (here given by the emulation: XLA:CPU's programs copy within one
@@ -153,20 +171,13 @@ def test_window_auto_chooses_k_with_the_share_of_the_step_its_compiled_copies_hi
     with emulate_accelerator("gpu", step_time_s=step_time, d2h_bytes_per_s=bandwidth, hide_fraction=fraction):
         with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
             state = mngr.prepare(_train_state(tx))
-            plan = mngr.engine.plan
 
             def k_with(f):
-                return costmodel.choose_k(costmodel.TrainingProfile(
-                    step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
-                    grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s,
-                    overlappable_fraction=f), interval_steps=interval)
+                return _cost_model_k(mngr, step_time, bandwidth, interval, overlappable_fraction=f)
 
             want, assumed = k_with(fraction), k_with(costmodel.TrainingProfile.overlappable_fraction)
             assert want != assumed, "the fraction must change K, or this test proves nothing"
-            mngr.compile_ahead(_step, state, x)
-            for t in range(2 * interval + 1):
-                state = mngr.step(_step(state, x * (t + 1) / 10))
-            assert mngr.engine.schedule.k == want
+            assert _run_auto_window(mngr, state, x, interval) == want
 
 
 def test_window_auto_moves_k_past_a_compiled_schedule_that_serialized_copies(tmp_path):
@@ -182,20 +193,14 @@ def test_window_auto_moves_k_past_a_compiled_schedule_that_serialized_copies(tmp
                              overlapped_bytes=capacity):
         with oc.CheckpointManager(tmp_path, save_interval_steps=interval, window="auto") as mngr:
             state = mngr.prepare(_train_state(tx))
-            plan = mngr.engine.plan
 
             def k_with(cap):
-                return costmodel.choose_k(costmodel.TrainingProfile(
-                    step_time_s=step_time, d2h_bytes_per_s=bandwidth, state_bytes=plan.state_bytes,
-                    grad_bytes=plan.grad_bytes, persist_bytes_per_s=mngr.persist_bytes_per_s,
-                    overlappable_fraction=1.0, schedule_capacity_bytes=cap), interval_steps=interval)
+                return _cost_model_k(mngr, step_time, bandwidth, interval, overlappable_fraction=1.0,
+                                     schedule_capacity_bytes=cap)
 
             want = k_with(capacity)
             assert k_with(None) == 1 and want > 1, "the cap must change K, or this test proves nothing"
-            mngr.compile_ahead(_step, state, x)
-            for t in range(2 * interval + 1):
-                state = mngr.step(_step(state, x * (t + 1) / 10))
-            assert mngr.engine.schedule.k == want
+            assert _run_auto_window(mngr, state, x, interval) == want
 
 
 def test_window_copies_in_another_memory_kind_stay_exact():
