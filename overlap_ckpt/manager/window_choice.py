@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import functools
 import logging
+import threading
 import time
 from typing import Any, Callable
 
@@ -155,9 +156,12 @@ class WindowChoice:
         # Measured before the compiled schedule was read: chosen again once it is.
         self._unread: AutoWindow | None = None
         self.prediction: PredictedWindow | None = None
-        # Per phase of the plan whose variants compile_ahead compiled last (written on its
-        # thread): what its compiled schedule says of the phase's copies.
-        self._schedule: tuple[Any, dict[int, CompiledSchedule]] = (None, {})
+        # Per plan compile_ahead compiled variants of, per phase: what its compiled schedule
+        # says of the phase's copies. Written on the compile-ahead threads; a re-planned K
+        # runs a second job beside the first, so two plans' readings arrive interleaved.
+        self._readings: list[tuple[Any, dict[int, CompiledSchedule]]] = []
+        self._complete: CompiledSchedule | None = None  # of the latest plan read to the end
+        self._reading_lock = threading.Lock()
 
     def first_k(self, leaf: Any) -> int:
         """K of a new engine, whose state has ``leaf`` (None: no leaves); ``"auto"`` starts
@@ -205,21 +209,25 @@ class WindowChoice:
         except Exception as e:  # noqa: BLE001 - auto-tuning must never break training
             log.info("window='auto': the compiled schedule could not be read (%s); assuming a share", e)
             return
-        read, readings = self._schedule
-        if read is not plan:
-            readings = {}
-        if reading.hide_fraction is not None:
+        if reading.hide_fraction is None:
+            return
+        with self._reading_lock:
+            readings = next((r for read, r in self._readings if read is plan), None)
+            if readings is None:
+                readings = {}
+                self._readings.append((plan, readings))
             readings[phase] = reading.least(readings.get(phase, reading))
-        self._schedule = (plan, readings)
+            if len(readings) >= plan.k:
+                self._complete = functools.reduce(CompiledSchedule.least, readings.values())
 
     @property
     def schedule(self) -> CompiledSchedule | None:
-        """What the compiled schedules of every phase of the window compiled ahead say of
-        their copies (the tightest of its phases'); None until all of them are read."""
-        plan, readings = self._schedule
-        if plan is None or len(readings) < plan.k:
-            return None
-        return functools.reduce(CompiledSchedule.least, readings.values())
+        """What the compiled schedules of every phase of a window compiled ahead say of their
+        copies (the tightest of its phases'), for the latest plan whose phases were all read;
+        None until one was. Each plan's readings are kept apart: an old plan's job reading
+        between a new plan's phases once left neither plan complete, and K at the cost
+        model's constant for the rest of the run."""
+        return self._complete
 
     @property
     def adapting(self) -> bool:
